@@ -1,0 +1,117 @@
+"""The ``semkv`` command: demo, generate, bench, serve, cache, calibrate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from semkv.config import default_home
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="smollm2-135m", help="embedded model name or local HF checkpoint folder"
+    )
+    p.add_argument(
+        "--home", default=None, help="semkv home folder (converted models, disk store); env SEMKV_HOME"
+    )
+    p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _engine(args: argparse.Namespace):
+    from semkv.engine import Engine
+
+    return Engine.from_pretrained(
+        args.model, home=args.home, kv_dtype=args.kv_dtype, block_size=args.block_size, threads=args.threads
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    chunks = [Path(p).read_text(encoding="utf-8") for p in args.chunk_file]
+    g = engine.generate(
+        prompt=args.prompt,
+        chunks=chunks,
+        max_new_tokens=args.max_new_tokens,
+        reuse=args.reuse,
+        temperature=args.temperature,
+    )
+    print(g.text)
+    print(json.dumps({k: v for k, v in g.stats.items()}, indent=2, default=str), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from semkv.demo import run_demo
+
+    run_demo(_engine(args), scenes=args.scene)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return int(args.bench_run(args) or 0)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from semkv.store.cache_admin import cache_command
+
+    home = Path(args.home).expanduser() if args.home else default_home()
+    result = cache_command(args.action, home)
+    print(json.dumps(result, indent=2))
+    return 1 if result.get("damaged") else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from semkv.bench import add_bench_parsers
+    from semkv.extensions import add_extension_parsers
+
+    parser = argparse.ArgumentParser(prog="semkv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run the main job on the embedded defaults")
+    _add_engine_args(p)
+    p.add_argument("--scene", action="append", default=None, help="run only this scene (repeatable)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--chunk-file", action="append", default=[], help="a context document (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--reuse", default="auto")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="run an evaluation suite (JSON + Markdown + plots)")
+    add_bench_parsers(p, _add_engine_args)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("cache", help="inspect or clear the store")
+    p.add_argument("action", choices=["stats", "clear", "verify"])
+    p.add_argument("--home", default=None)
+    p.set_defaults(func=cmd_cache)
+
+    add_extension_parsers(sub, _add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, PermissionError) as exc:
+        print(f"semkv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

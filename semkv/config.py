@@ -1,0 +1,91 @@
+"""Configuration dataclasses and the semkv home folder.
+
+Every setting a user can change lives in one of these dataclasses; they are
+validated in ``__post_init__`` so a bad value fails where it is written, not deep
+inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def default_home() -> Path:
+    """The semkv home folder: ``$SEMKV_HOME``, else ``$XDG_CACHE_HOME/semkv``, else ``~/.cache/semkv``."""
+    if os.environ.get("SEMKV_HOME"):
+        return Path(os.environ["SEMKV_HOME"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "semkv"
+
+
+@dataclass
+class StoreConfig:
+    """Where and how KV entries are kept.
+
+    memory_bytes: byte budget of the in-process LRU tier.
+    disk: keep entries on local disk under ``<home>/store`` (write-through).
+    disk_bytes: optional byte budget of the disk tier (oldest entries removed first); None = unbounded.
+    redis_url: optional shared Redis tier (``redis://host:port/db``).
+    redis_timeout_s: socket timeout for every Redis call; a slow Redis is a miss.
+    """
+
+    memory_bytes: int = 2 * 1024**3
+    disk: bool = True
+    disk_bytes: int | None = None
+    redis_url: str | None = None
+    redis_timeout_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
+        if self.disk_bytes is not None and self.disk_bytes <= 0:
+            raise ValueError(f"disk_bytes must be positive or None, got {self.disk_bytes}")
+        if self.redis_timeout_s <= 0:
+            raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model.
+
+    model: an embedded model name (``smollm2-135m``) or a local HF checkpoint folder.
+    home: semkv home folder (converted models + disk tier); None = :func:`default_home`.
+    kv_dtype: dtype of KV at rest *and* in the live computation ("float16", "bfloat16", "float32").
+    block_size: tokens per prefix block.
+    threads: torch intra-op threads; None leaves torch's default.
+    """
+
+    model: str = "smollm2-135m"
+    home: str | Path | None = None
+    kv_dtype: str = "float16"
+    block_size: int = 16
+    threads: int | None = None
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size must be an int in [1, 4096], got {self.block_size!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.home = Path(self.home).expanduser() if self.home is not None else default_home()
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def home_path(self) -> Path:
+        assert isinstance(self.home, Path)
+        return self.home

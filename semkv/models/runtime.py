@@ -1,0 +1,248 @@
+"""The layer-wise runtime: our own per-layer loop over a family adapter.
+
+One mechanism serves every prefill path. Rows of a :class:`KVCache` are token
+slots. ``forward_rows`` runs the layers over rows ``[start, length)``:
+
+* plain prefill: the rows hold no KV yet; every row is computed at every layer;
+* selective recompute (CacheBlend, SemShareKV): the rows were pre-loaded with
+  reused KV (:meth:`Runtime.load_rows`); a :class:`RecomputeSelector` sees, at each
+  layer, the fresh and the reused KV of the rows still being computed and says
+  which of them go on. Rows it drops keep their reused KV from then on.
+
+Attention masks are always built from absolute positions (a query sees a key iff
+``k_pos <= q_pos`` and, on sliding-window layers, ``q_pos - k_pos < window``), so a
+scattered subset of queries never sees later keys.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
+from semkv.models.cache import KVCache
+
+
+class RecomputeSelector(Protocol):
+    """Chooses, layer by layer, which rows keep being recomputed."""
+
+    def select(
+        self,
+        layer: int,
+        active: Tensor,
+        fresh_k: Tensor,
+        fresh_v: Tensor,
+        cached_k: Tensor,
+        cached_v: Tensor,
+    ) -> Tensor:
+        """Return indices into ``active`` of the rows that continue through this layer.
+
+        active: [A] row offsets (relative to ``start``) computed at this layer, ascending.
+        fresh_k, cached_k: [kvh, A, d] pre-RoPE keys (fresh: this forward; cached: reused).
+        fresh_v, cached_v: [kvh, A, d] values.
+        The fresh KV of every active row is already written over the cached rows.
+        """
+        ...
+
+
+class KeySelector(Protocol):
+    """Chooses, per layer of a decode step, which cache rows the new token attends to."""
+
+    def rows(self, layer: int, q_rot: Tensor, cache: KVCache) -> Tensor | None:
+        """q_rot: [nh, 1, d] rotated query of the step. Return row indices [R] (the new
+        token's own row need not be included; it always is) or None for all rows."""
+        ...
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None = None,
+    causal_prefix: bool = False,
+) -> Tensor:
+    """Scaled dot-product attention with a mask from absolute positions.
+
+    q: [nh, Tq, d]; k, v: [kvh, Tk, d] (kvh divides nh); q_pos [Tq]; k_pos [Tk].
+    causal_prefix: the caller guarantees q and k are the same rows at positions
+    0..T-1 in order, so the fused causal kernel is exact.
+    Returns [Tq, nh * d].
+    """
+    gqa = q.shape[0] != k.shape[0]
+    if causal_prefix and (window is None or q.shape[1] <= window):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if window is not None:
+            mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+        if bool(mask.all()):
+            mask = None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+class Runtime:
+    """Prefill and decode over one model through its family adapter (batch of one sequence)."""
+
+    def __init__(
+        self,
+        adapter: LlamaFamilyAdapter,
+        kv_dtype: torch.dtype,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.adapter = adapter
+        self.kv_dtype = kv_dtype
+        self.compute_dtype = compute_dtype
+        self.device = next(adapter.hf_model.parameters()).device
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    def new_cache(self, capacity: int) -> KVCache:
+        a = self.adapter
+        return KVCache(
+            a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.kv_dtype, self.compute_dtype, self.device
+        )
+
+    def rope(self, k_pre: Tensor, positions: Tensor, layer: int) -> Tensor:
+        """Rotate pre-RoPE keys [heads, T, d] to ``positions`` [T] with ``layer``'s rotary table."""
+        k = k_pre.to(self.compute_dtype)
+        cos, sin = self.adapter.rotary(positions, layer, k)
+        return apply_rope(k, cos, sin)
+
+    # -- loading reused KV ----------------------------------------------------------------------
+    def load_rows(
+        self, cache: KVCache, k_pre: Tensor, v: Tensor, positions: Tensor, token_ids: list[int]
+    ) -> int:
+        """Append rows holding reused KV, re-rotated to ``positions``.
+
+        k_pre, v: [L, kvh, n, d] (any float dtype; rounded to the KV dtype); positions [n].
+        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation.
+        Returns the first appended row.
+        """
+        start = cache.append_rows(positions.to(cache.device), token_ids)
+        rows = slice(start, start + positions.shape[0])
+        for layer in range(self.num_layers):
+            kp = k_pre[layer].to(self.kv_dtype)
+            cache.write(layer, rows, kp, self.rope(kp, positions, layer), v[layer])
+        return start
+
+    # -- the layer loop ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_rows(self, cache: KVCache, start: int, selector: RecomputeSelector | None = None) -> Tensor:
+        """Run every layer over cache rows [start, length); return the last row's logits [V].
+
+        Without a selector every row is computed at every layer (plain prefill). With
+        one, the rows are assumed pre-loaded with reused KV and the selector decides,
+        per layer, which rows keep being recomputed. The last row must stay selected.
+        """
+        a = self.adapter
+        count = cache.length - start
+        if count <= 0:
+            raise ValueError("forward_rows needs at least one row to compute")
+        positions = cache.positions[start : cache.length]
+        token_ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=self.device)
+        hidden = a.embed(token_ids).to(self.compute_dtype)
+        active = torch.arange(count, device=self.device)
+        fresh_prefix = (
+            start == 0
+            and selector is None
+            and bool((positions == torch.arange(count, device=self.device)).all())
+        )
+        for layer in range(a.num_layers):
+            q, k, v = a.qkv(layer, hidden)
+            rows = active + start
+            q_pos = positions[active]
+            cos, sin = a.rotary(q_pos, layer, q)
+            k_pre = k.to(self.kv_dtype)
+            k_rot = apply_rope(k_pre.to(self.compute_dtype), cos, sin)
+            if selector is None:
+                cache.write(layer, slice(start, cache.length), k_pre, k_rot, v)
+            else:
+                cached_k = cache.k_pre[layer][:, rows].to(self.compute_dtype)
+                cached_v = cache.v[layer][:, rows].clone()
+                cache.write(layer, rows, k_pre, k_rot, v)
+                keep = selector.select(layer, active, k_pre.to(self.compute_dtype), v, cached_k, cached_v)
+                if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
+                    raise RuntimeError("a recompute selector must keep the last row")
+                if keep.numel() != active.numel():
+                    active, hidden, q, q_pos, cos, sin = (
+                        active[keep],
+                        hidden[keep],
+                        q[:, keep],
+                        q_pos[keep],
+                        cos[keep],
+                        sin[keep],
+                    )
+            if layer == a.num_layers - 1 and active.numel() > 1:
+                # Only the last row's output matters after the last layer.
+                active, hidden, q, q_pos, cos, sin = (
+                    active[-1:],
+                    hidden[-1:],
+                    q[:, -1:],
+                    q_pos[-1:],
+                    cos[-1:],
+                    sin[-1:],
+                )
+                fresh_prefix = False
+            out = attention(
+                apply_rope(q, cos, sin),
+                cache.keys(layer),
+                cache.values(layer),
+                q_pos,
+                cache.valid_positions(),
+                a.scaling(layer),
+                a.window(layer),
+                causal_prefix=fresh_prefix,
+            )
+            hidden = a.finish_layer(layer, hidden, out)
+        return a.logits(hidden[-1:])[0]
+
+    def prefill(self, cache: KVCache, token_ids: list[int], positions: Tensor | None = None) -> Tensor:
+        """Append ``token_ids`` at ``positions`` (default: right after the cache) and compute them.
+
+        Returns the last token's logits [V].
+        """
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        if positions is None:
+            first = int(cache.valid_positions().max()) + 1 if cache.length else 0
+            positions = torch.arange(first, first + len(token_ids), device=self.device)
+        start = cache.append_rows(positions, token_ids)
+        return self.forward_rows(cache, start)
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, token_id: int, key_selector: KeySelector | None = None) -> Tensor:
+        """Append one token at the next position and return its logits [V].
+
+        With a ``key_selector`` each layer attends only to the rows it returns (plus
+        the new row itself); without one, to every row.
+        """
+        a = self.adapter
+        position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
+        row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
+        pos = cache.positions[row : row + 1]
+        hidden = a.embed(torch.tensor([token_id], device=self.device)).to(self.compute_dtype)
+        for layer in range(a.num_layers):
+            q, k, v = a.qkv(layer, hidden)
+            cos, sin = a.rotary(pos, layer, q)
+            k_pre = k.to(self.kv_dtype)
+            cache.write(
+                layer, slice(row, row + 1), k_pre, apply_rope(k_pre.to(self.compute_dtype), cos, sin), v
+            )
+            q_rot = apply_rope(q, cos, sin)
+            keys, values, k_pos = cache.keys(layer), cache.values(layer), cache.valid_positions()
+            chosen = key_selector.rows(layer, q_rot, cache) if key_selector is not None else None
+            if chosen is not None:
+                chosen = torch.cat([chosen[chosen != row], chosen.new_tensor([row])])
+                keys, values, k_pos = keys[:, chosen], values[:, chosen], k_pos[chosen]
+            out = attention(q_rot, keys, values, pos, k_pos, a.scaling(layer), a.window(layer))
+            hidden = a.finish_layer(layer, hidden, out)
+        return a.logits(hidden)[0]

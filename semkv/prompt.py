@@ -1,0 +1,105 @@
+"""Prompt layout: a request as tokenized segments.
+
+Every path (full prefill, prefix reuse, blend, share) sees the same token ids for
+the same request, because the layout is built once, segment by segment:
+
+    template prefix | chunk 1 | sep | chunk 2 | sep | ... | body | suffix
+
+Each segment is tokenized on its own, so a context chunk has the same token ids in
+every request it appears in (the precondition of chunk reuse). For chat models the
+chunks and the body sit inside the last user turn; for base models there is no
+template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+SegmentKind = Literal["template", "chunk", "separator", "body", "suffix"]
+SENTINEL = "\u2063SEMKVBODY\u2063"
+CHUNK_SEPARATOR = "\n\n"
+
+
+@dataclass
+class Segment:
+    kind: SegmentKind
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class PromptLayout:
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def __len__(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    def spans(self) -> list[tuple[Segment, int, int]]:
+        """(segment, start, end) token offsets of every segment."""
+        out, pos = [], 0
+        for seg in self.segments:
+            out.append((seg, pos, pos + len(seg.token_ids)))
+            pos += len(seg.token_ids)
+        return out
+
+    def chunk_spans(self) -> list[tuple[Segment, int, int]]:
+        return [span for span in self.spans() if span[0].kind == "chunk"]
+
+
+def _tokenize(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def build_layout(
+    tokenizer,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    chunks: Sequence[str] = (),
+    use_chat_template: bool | None = None,
+) -> PromptLayout:
+    """Lay out a request. Exactly one of ``prompt`` / ``messages`` is given.
+
+    use_chat_template: None = use it when the tokenizer has one.
+    """
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt= or messages=")
+    if messages is not None:
+        messages = [dict(m) for m in messages]
+        if not messages or messages[-1].get("role") != "user":
+            raise ValueError("messages must be a non-empty list ending with a user message")
+        for m in messages:
+            if not isinstance(m.get("content"), str) or m.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(
+                    f"each message needs role in system/user/assistant and str content; got {m!r}"
+                )
+        body = messages[-1]["content"]
+    else:
+        body = prompt
+        messages = [{"role": "user", "content": prompt}]
+    if not isinstance(body, str):
+        raise ValueError(f"prompt must be a str, got {type(body).__name__}")
+    chat = bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None else use_chat_template
+    if chat:
+        messages[-1]["content"] = SENTINEL
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(SENTINEL) != 1:
+            raise ValueError("the chat template does not render the user content verbatim")
+        prefix_text, suffix_text = rendered.split(SENTINEL)
+    else:
+        bos = getattr(tokenizer, "bos_token", None) if getattr(tokenizer, "add_bos_token", False) else None
+        prefix_text, suffix_text = (bos or ""), ""
+    segments = [Segment("template", prefix_text, _tokenize(tokenizer, prefix_text))]
+    for chunk in chunks:
+        if not isinstance(chunk, str):
+            raise ValueError(f"chunks must be strings, got {type(chunk).__name__}")
+        segments.append(Segment("chunk", chunk, _tokenize(tokenizer, chunk)))
+        segments.append(Segment("separator", CHUNK_SEPARATOR, _tokenize(tokenizer, CHUNK_SEPARATOR)))
+    segments.append(Segment("body", body, _tokenize(tokenizer, body)))
+    segments.append(Segment("suffix", suffix_text, _tokenize(tokenizer, suffix_text)))
+    return PromptLayout([s for s in segments if s.token_ids or s.kind == "chunk"])

@@ -1,0 +1,107 @@
+"""Exact prefix reuse over chained blocks (the vLLM / SGLang baseline).
+
+The prompt's full blocks are keyed by a chain hash; the longest run of stored
+blocks from the start is loaded into the cache and only the rest is prefilled. A
+fully cached prompt still computes its last token (its logits are needed), so at
+most ``len(prompt) - 1`` tokens are reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from semkv.models.cache import KVCache
+from semkv.prompt import PromptLayout
+from semkv.request import GenerateRequest
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, register_path
+from semkv.store.entry import KVEntry
+from semkv.store.keys import EntryKind, prefix_block_keys
+from semkv.store.store import KVStore
+
+
+@dataclass
+class PrefixPlan(Plan):
+    blocks: list[KVEntry]
+
+
+def lookup_prefix(store: KVStore, block_size: int, token_ids: list[int]) -> list[KVEntry]:
+    """The longest run of stored blocks covering ``token_ids`` from the start."""
+    found: list[KVEntry] = []
+    for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids)):
+        expect = token_ids[index * block_size : (index + 1) * block_size]
+        entry = store.get(key, expect, EntryKind.BLOCK)
+        if entry is None or entry.block_size != block_size:
+            break
+        found.append(entry)
+    return found
+
+
+def load_prefix(ctx: PrefillContext, cache: KVCache, blocks: list[KVEntry], num_tokens: int) -> None:
+    """Load the first ``num_tokens`` tokens of ``blocks`` into ``cache`` at positions 0.."""
+    k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
+    v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
+    token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
+    ctx.runtime.load_rows(cache, k, v, torch.arange(num_tokens), token_ids)
+
+
+def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip_blocks: int = 0) -> int:
+    """Store every full block of the cache's first ``len(token_ids)`` rows from block ``skip_blocks`` on.
+
+    The rows must hold exact (full-prefill-equivalent) KV at positions 0... Returns blocks written.
+    """
+    size = ctx.block_size
+    keys = prefix_block_keys(ctx.fingerprint, size, token_ids)
+    written = 0
+    for index in range(skip_blocks, len(keys)):
+        if ctx.store.contains(keys[index]):
+            continue
+        k, v = cache.export(index * size, (index + 1) * size)
+        parent = keys[index - 1] if index else None
+        ctx.store.put(
+            KVEntry(
+                keys[index],
+                EntryKind.BLOCK,
+                ctx.fingerprint,
+                token_ids[index * size : (index + 1) * size],
+                k,
+                v,
+                block_size=size,
+                parent=parent,
+            )
+        )
+        written += 1
+    return written
+
+
+class PrefixReuse:
+    name = "prefix"
+
+    def plan(
+        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
+    ) -> PrefixPlan | Refusal:
+        token_ids = layout.token_ids
+        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids)
+        reused = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
+        if reused <= 0:
+            return Refusal(self.name, "no stored prefix block")
+        return PrefixPlan(self.name, layout, reused, blocks)
+
+    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+        assert isinstance(plan, PrefixPlan)
+        token_ids = plan.layout.token_ids
+        with ctx.store.pinned([b.key for b in plan.blocks]):
+            load_prefix(ctx, cache, plan.blocks, plan.reused_tokens)
+        logits = ctx.runtime.prefill(cache, token_ids[plan.reused_tokens :])
+        return PrefillOutcome(
+            logits,
+            self.name,
+            plan.reused_tokens,
+            len(token_ids) - plan.reused_tokens,
+            exact=True,
+            info={"prefix_blocks": len(plan.blocks)},
+        )
+
+
+register_path(PrefixReuse())

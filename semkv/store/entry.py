@@ -1,0 +1,133 @@
+"""A stored KV entry and its on-the-wire format.
+
+Format (one file on disk, one value in Redis)::
+
+    b"SEMKV\\x00\\x01\\x00"  | u64 little-endian header length | header JSON | safetensors payload
+
+The header names the entry (key, kind, fingerprint, block size, parent, metadata)
+and carries the sha256 of the payload; :func:`decode` checks the magic, the format
+version and the checksum, and raises :class:`CorruptEntry` on any mismatch so a
+damaged entry is a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor
+
+from semkv.store.keys import FORMAT_VERSION, EntryKey, EntryKind
+
+MAGIC = b"SEMKV\x00\x01\x00"
+
+
+class CorruptEntry(ValueError):
+    """Raised when stored bytes are not a valid entry of this format version."""
+
+
+@dataclass
+class KVEntry:
+    """KV of ``n`` tokens of every layer.
+
+    k: [L, kvh, n, d] pre-RoPE keys; v: [L, kvh, n, d] values (the KV dtype).
+    extras: named side tensors (a block's key summary, LSH signatures, ...).
+    meta: JSON-able metadata (positions it was computed at, text, ...).
+    """
+
+    key: EntryKey
+    kind: EntryKind
+    fingerprint: str
+    token_ids: list[int]
+    k: Tensor
+    v: Tensor
+    block_size: int = 0
+    parent: EntryKey | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.k.shape != self.v.shape or self.k.dim() != 4:
+            raise ValueError(
+                f"k and v must both be [L, kvh, n, d]; got {tuple(self.k.shape)} and {tuple(self.v.shape)}"
+            )
+        if self.k.shape[2] != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids for KV of {self.k.shape[2]} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in tensors (KV + extras)."""
+        total = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return total + sum(t.numel() * t.element_size() for t in self.extras.values())
+
+
+def encode(entry: KVEntry) -> bytes:
+    tensors = {
+        "k": entry.k.contiguous(),
+        "v": entry.v.contiguous(),
+        "token_ids": torch.tensor(entry.token_ids, dtype=torch.int64),
+    }
+    tensors.update({f"x.{name}": t.contiguous() for name, t in entry.extras.items()})
+    payload = st_save(tensors)
+    header = json.dumps(
+        {
+            "format_version": FORMAT_VERSION,
+            "key": entry.key,
+            "kind": entry.kind.value,
+            "fingerprint": entry.fingerprint,
+            "block_size": entry.block_size,
+            "parent": entry.parent,
+            "meta": entry.meta,
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        },
+        sort_keys=True,
+    ).encode()
+    return MAGIC + struct.pack("<Q", len(header)) + header + payload
+
+
+def decode(data: bytes) -> KVEntry:
+    """Bytes -> entry; :class:`CorruptEntry` for anything damaged, truncated or of another version."""
+    if len(data) < len(MAGIC) + 8 or not data.startswith(MAGIC):
+        raise CorruptEntry("bad magic or truncated header")
+    (header_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    if header_len > len(data) - start:
+        raise CorruptEntry("header length past end of data")
+    try:
+        header = json.loads(data[start : start + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptEntry(f"unreadable header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
+        raise CorruptEntry(
+            f"format version {header.get('format_version') if isinstance(header, dict) else '?'}"
+            f" is not {FORMAT_VERSION}"
+        )
+    payload = data[start + header_len :]
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise CorruptEntry("payload checksum mismatch")
+    try:
+        tensors = st_load(payload)
+        return KVEntry(
+            key=EntryKey(header["key"]),
+            kind=EntryKind(header["kind"]),
+            fingerprint=header["fingerprint"],
+            token_ids=tensors.pop("token_ids").tolist(),
+            k=tensors.pop("k"),
+            v=tensors.pop("v"),
+            block_size=int(header["block_size"]),
+            parent=header["parent"],
+            extras={name[2:]: t for name, t in tensors.items() if name.startswith("x.")},
+            meta=header["meta"],
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptEntry(f"inconsistent entry: {exc}") from exc

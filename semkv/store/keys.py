@@ -1,0 +1,91 @@
+"""Content keys of stored KV entries.
+
+A key is the sha256 of a typed, length-prefixed tuple; Python's ``hash()`` is never
+used (it is salted per process). Three kinds of entry exist:
+
+* prefix block: ``(version, "block", fingerprint, block_size, parent key, token ids)``
+  — position-dependent, chained to its parent so one key names a whole prefix;
+* chunk: ``(version, "chunk", fingerprint, token ids)`` — position-independent KV
+  of a text computed on its own (CacheBlend);
+* prompt: ``(version, "prompt", fingerprint, token ids)`` — a whole prompt kept for
+  semantic sharing (SemShareKV).
+
+A key alone never proves a hit: the store compares the stored token ids and
+fingerprint on every read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from enum import Enum
+from typing import NewType
+
+FORMAT_VERSION = 1
+
+EntryKey = NewType("EntryKey", str)  # 64 lowercase hex digits
+
+
+class EntryKind(str, Enum):
+    BLOCK = "block"
+    CHUNK = "chunk"
+    PROMPT = "prompt"
+
+
+def _encode_field(value: object) -> bytes:
+    """Type-tagged, length-prefixed encoding so no two different tuples share bytes."""
+    if isinstance(value, bool):
+        raise TypeError("bool is not a key field")
+    if isinstance(value, int):
+        body, tag = str(value).encode(), b"i"
+    elif isinstance(value, str):
+        body, tag = value.encode(), b"s"
+    elif value is None:
+        body, tag = b"", b"n"
+    elif isinstance(value, (list, tuple)):
+        body = struct.pack(f"<{len(value)}q", *value) if value else b""
+        tag = b"t"
+    else:
+        raise TypeError(f"unsupported key field type {type(value).__name__}")
+    return tag + struct.pack("<Q", len(body)) + body
+
+
+def hash_fields(*fields: object) -> EntryKey:
+    h = hashlib.sha256()
+    for field in fields:
+        h.update(_encode_field(field))
+    return EntryKey(h.hexdigest())
+
+
+def block_key(
+    fingerprint: str, block_size: int, parent: EntryKey | None, token_ids: Sequence[int]
+) -> EntryKey:
+    """Key of a prefix block whose prefix before it is named by ``parent`` (None for the first)."""
+    return hash_fields(
+        FORMAT_VERSION, EntryKind.BLOCK.value, fingerprint, block_size, parent, list(token_ids)
+    )
+
+
+def chunk_key(fingerprint: str, token_ids: Sequence[int]) -> EntryKey:
+    """Key of a position-independent chunk."""
+    return hash_fields(FORMAT_VERSION, EntryKind.CHUNK.value, fingerprint, list(token_ids))
+
+
+def prompt_key(fingerprint: str, token_ids: Sequence[int]) -> EntryKey:
+    """Key of a whole prompt kept for semantic sharing."""
+    return hash_fields(FORMAT_VERSION, EntryKind.PROMPT.value, fingerprint, list(token_ids))
+
+
+def prefix_block_keys(fingerprint: str, block_size: int, token_ids: Sequence[int]) -> list[EntryKey]:
+    """Chained keys of every *full* block of ``token_ids`` (a trailing partial block has none)."""
+    keys: list[EntryKey] = []
+    parent: EntryKey | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_key(fingerprint, block_size, parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+def is_valid_key(key: str) -> bool:
+    return len(key) == 64 and all(c in "0123456789abcdef" for c in key)

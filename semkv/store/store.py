@@ -1,0 +1,128 @@
+"""The tiered KV store: read-through, write-through, ownership checked on every hit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from semkv.config import StoreConfig
+from semkv.store.entry import KVEntry
+from semkv.store.keys import EntryKey, EntryKind
+from semkv.store.tiers import DiskTier, MemoryTier, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StoreStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    mismatches: int = 0  # an entry was found under the key but belongs to other tokens/model/kind
+    puts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class KVStore:
+    """Tiers fastest first. A lower-tier hit is promoted into the faster tiers."""
+
+    def __init__(self, tiers: Sequence[Tier], fingerprint: str) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers: list[Tier] = list(tiers)
+        self.fingerprint = fingerprint
+        self.stats = StoreStats()
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, home: Path, fingerprint: str) -> KVStore:
+        tiers: list[Tier] = [MemoryTier(config.memory_bytes)]
+        if config.disk:
+            tiers.append(DiskTier(Path(home) / "store", config.disk_bytes))
+        if config.redis_url:
+            from semkv.store.redis_tier import RedisTier
+
+            tiers.append(RedisTier(config.redis_url, timeout_s=config.redis_timeout_s))
+        return cls(tiers, fingerprint)
+
+    @property
+    def memory(self) -> MemoryTier | None:
+        first = self.tiers[0]
+        return first if isinstance(first, MemoryTier) else None
+
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _owned(
+        self, entry: KVEntry, key: EntryKey, token_ids: Sequence[int] | None, kind: EntryKind | None
+    ) -> bool:
+        if entry.key != key or entry.fingerprint != self.fingerprint:
+            return False
+        if kind is not None and entry.kind != kind:
+            return False
+        return token_ids is None or list(entry.token_ids) == list(token_ids)
+
+    def get(
+        self, key: EntryKey, token_ids: Sequence[int] | None = None, kind: EntryKind | None = None
+    ) -> KVEntry | None:
+        """The entry under ``key`` if it is ours and holds ``token_ids``; else None (a miss)."""
+        self.stats.lookups += 1
+        for depth, tier in enumerate(self.tiers):
+            entry = tier.get(key)
+            if entry is None:
+                continue
+            if not self._owned(entry, key, token_ids, kind):
+                self.stats.mismatches += 1
+                log.warning(
+                    "entry %s in tier %s does not match the request; treated as a miss", key[:12], tier.name
+                )
+                continue
+            for faster in self.tiers[:depth]:
+                faster.put(entry)
+            self.stats.hits += 1
+            return entry
+        self.stats.misses += 1
+        return None
+
+    def contains(self, key: EntryKey) -> bool:
+        return any(key in tier for tier in self.tiers)
+
+    def put(self, entry: KVEntry) -> None:
+        """Write-through to every tier."""
+        if entry.fingerprint != self.fingerprint:
+            raise ValueError("entry fingerprint does not match this store's model")
+        self.stats.puts += 1
+        for tier in self.tiers:
+            tier.put(entry)
+
+    def delete(self, key: EntryKey) -> None:
+        for tier in self.tiers:
+            tier.delete(key)
+
+    @contextmanager
+    def pinned(self, keys: Sequence[EntryKey]) -> Iterator[None]:
+        """Keep ``keys`` resident in the memory tier for the duration of the block."""
+        memory = self.memory
+        pinned = [k for k in keys if memory is not None and memory.pin(k)]
+        try:
+            yield
+        finally:
+            for k in pinned:
+                memory.unpin(k)  # type: ignore[union-attr]
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "store": self.stats.as_dict(),
+            "tiers": {
+                t.name: {**t.stats.as_dict(), "entries": sum(1 for _ in t.keys()), "bytes": t.nbytes()}
+                for t in self.tiers
+            },
+        }
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

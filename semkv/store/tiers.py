@@ -1,0 +1,318 @@
+"""Storage tiers behind one small interface.
+
+A tier stores :class:`KVEntry` objects by key. ``get`` never raises for a damaged
+or unreachable entry: it counts it and returns None (a miss). The store stacks
+tiers fastest first and is the only caller, so a new tier (Redis) plugs in without
+touching anything above the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from semkv.store.entry import CorruptEntry, KVEntry, decode, encode
+from semkv.store.keys import EntryKey, is_valid_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    writes: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Tier(Protocol):
+    name: str
+    stats: TierStats
+
+    def get(self, key: EntryKey) -> KVEntry | None: ...
+
+    def put(self, entry: KVEntry) -> bool: ...
+
+    def delete(self, key: EntryKey) -> None: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def keys(self) -> Iterator[EntryKey]: ...
+
+    def nbytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryTier:
+    """In-process LRU under a byte budget. Pinned entries (refcount > 0) are never evicted.
+
+    An entry that cannot fit without evicting pinned ones is not admitted
+    (``put`` returns False): the tier is a cache and the tiers below still hold it.
+    """
+
+    name = "memory"
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.stats = TierStats()
+        self._entries: OrderedDict[EntryKey, KVEntry] = OrderedDict()
+        self._pins: dict[EntryKey, int] = {}
+        self._bytes = 0
+        self._lock = threading.RLock()
+
+    def get(self, key: EntryKey) -> KVEntry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += entry.nbytes
+            return entry
+
+    def put(self, entry: KVEntry) -> bool:
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
+                return True
+            size = entry.nbytes
+            if size > self.budget_bytes:
+                return False
+            if not self._make_room(size):
+                return False
+            self._entries[entry.key] = entry
+            self._bytes += size
+            self.stats.writes += 1
+            self.stats.bytes_written += size
+            return True
+
+    def _make_room(self, size: int) -> bool:
+        """Evict least-recently-used unpinned entries until ``size`` more bytes fit."""
+        if self._bytes + size <= self.budget_bytes:
+            return True
+        evictable = [k for k in self._entries if self._pins.get(k, 0) == 0]
+        freeable = sum(self._entries[k].nbytes for k in evictable)
+        if self._bytes - freeable + size > self.budget_bytes:
+            return False
+        for key in evictable:
+            if self._bytes + size <= self.budget_bytes:
+                break
+            self._bytes -= self._entries.pop(key).nbytes
+            self.stats.evictions += 1
+        return True
+
+    def delete(self, key: EntryKey) -> None:
+        with self._lock:
+            if self._pins.get(key, 0):
+                raise ValueError(f"cannot delete pinned entry {key[:12]}")
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.nbytes
+
+    def pin(self, key: EntryKey) -> bool:
+        """Protect ``key`` from eviction while in use; False if it is not resident."""
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._pins[key] = self._pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, key: EntryKey) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count <= 0:
+                raise ValueError(f"unpin of entry {key[:12]} that is not pinned")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def pin_count(self, key: EntryKey) -> int:
+        return self._pins.get(key, 0)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> Iterator[EntryKey]:
+        with self._lock:
+            return iter(list(self._entries))
+
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._pins.clear()
+            self._bytes = 0
+
+    def check_invariants(self) -> None:
+        """Byte count matches the entries; pins only on resident entries; budget kept unless pinned."""
+        with self._lock:
+            assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte count drifted"
+            assert all(k in self._entries and c > 0 for k, c in self._pins.items()), "pin on a missing entry"
+            pinned = sum(self._entries[k].nbytes for k in self._pins)
+            assert self._bytes <= max(self.budget_bytes, pinned), "over budget"
+            assert all(e.key == k for k, e in self._entries.items()), "entry under a foreign key"
+
+
+class DiskTier:
+    """One file per entry under ``root/<key[:2]>/<key>.skv``.
+
+    Writes go to a temp file in the same folder, are fsynced and renamed, so a
+    reader sees either nothing or a whole entry; temp files left by a killed writer
+    are swept at start. Reads verify the checksum; a damaged file is moved to
+    ``root/quarantine`` and counted, and the read is a miss.
+    """
+
+    name = "disk"
+    SUFFIX = ".skv"
+    TMP_PREFIX = ".tmp-"
+
+    def __init__(self, root: Path, budget_bytes: int | None = None) -> None:
+        self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        self.stats = TierStats()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"cannot create the cache folder {self.root}: {exc}") from exc
+        if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
+            raise PermissionError(f"the cache folder {self.root} is not readable and writable")
+        self.swept = self.sweep_temp_files()
+
+    def path(self, key: EntryKey) -> Path:
+        return self.root / key[:2] / f"{key}{self.SUFFIX}"
+
+    def sweep_temp_files(self) -> int:
+        """Remove temp files of interrupted writes; returns how many."""
+        count = 0
+        for tmp in self.root.glob(f"*/{self.TMP_PREFIX}*"):
+            tmp.unlink(missing_ok=True)
+            count += 1
+        if count:
+            log.info("swept %d temp files of interrupted writes in %s", count, self.root)
+        return count
+
+    def _files(self) -> Iterator[Path]:
+        return self.root.glob(f"*/*{self.SUFFIX}")
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        qdir = self.root / "quarantine"
+        qdir.mkdir(exist_ok=True)
+        try:
+            path.rename(qdir / f"{path.name}.{time.time_ns()}")
+        except OSError:
+            path.unlink(missing_ok=True)
+        self.stats.corrupt += 1
+        log.warning("quarantined damaged cache entry %s: %s", path.name, reason)
+
+    def get(self, key: EntryKey) -> KVEntry | None:
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self.stats.misses += 1
+            return None
+        except OSError as exc:
+            self.stats.errors += 1
+            log.warning("cannot read cache entry %s: %s", path, exc)
+            return None
+        try:
+            entry = decode(data)
+            if entry.key != key:
+                raise CorruptEntry(f"file holds entry {entry.key[:12]}, not {key[:12]}")
+        except CorruptEntry as exc:
+            self.quarantine(path, str(exc))
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += len(data)
+        return entry
+
+    def put(self, entry: KVEntry) -> bool:
+        path = self.path(entry.key)
+        if path.exists():
+            return True
+        data = encode(entry)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f"{self.TMP_PREFIX}{entry.key}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self.stats.errors += 1
+            log.warning("cannot write cache entry %s: %s", path, exc)
+            return False
+        self.stats.writes += 1
+        self.stats.bytes_written += len(data)
+        if self.budget_bytes is not None:
+            self._enforce_budget(keep=path)
+        return True
+
+    def _enforce_budget(self, keep: Path) -> None:
+        files = []
+        for f in self._files():
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, f))
+        total = sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if total <= self.budget_bytes:
+                break
+            if f == keep:
+                continue
+            f.unlink(missing_ok=True)
+            total -= size
+            self.stats.evictions += 1
+
+    def delete(self, key: EntryKey) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.path(EntryKey(key)).exists()
+
+    def keys(self) -> Iterator[EntryKey]:
+        for f in self._files():
+            stem = f.name[: -len(self.SUFFIX)]
+            if is_valid_key(stem):
+                yield EntryKey(stem)
+
+    def nbytes(self) -> int:
+        total = 0
+        for f in self._files():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def close(self) -> None:
+        pass
