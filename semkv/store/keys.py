@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import NewType
 
 FORMAT_VERSION = 1
@@ -27,7 +27,7 @@ FORMAT_VERSION = 1
 EntryKey = NewType("EntryKey", str)  # 64 lowercase hex digits
 
 
-class EntryKind(str, Enum):
+class EntryKind(StrEnum):
     BLOCK = "block"
     CHUNK = "chunk"
     PROMPT = "prompt"

@@ -1,0 +1,107 @@
+"""Shared fixtures.
+
+* ``tiny_engine(family)``: an Engine over a tiny random-weight model (2 layers,
+  hidden 64) of a supported family, with the SmolLM2 tokenizer and a fresh store.
+* ``smollm2`` (session): the real embedded model, loaded once (converted into the
+  default home on first use); ``smol_engine``: an Engine over it with a fresh store.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semkv.config import EngineConfig, StoreConfig, default_home
+from semkv.engine import Engine
+from semkv.models.loader import LoadedModel, load_model
+
+TINY_FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    torch.set_num_threads(2)
+    return load_model("smollm2-135m", default_home())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+def tiny_hf_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random-weight 2-layer model of ``family`` (float32, eval)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if family == "qwen2":
+        common["attention_bias"] = True  # Qwen2 has q/k/v biases
+    if family == "mistral":
+        common["sliding_window"] = None
+    common.update(overrides)
+    config = AutoConfig.for_model(family, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # give biases non-zero values so they are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture
+def make_tiny_engine(tmp_path, tokenizer):
+    """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path."""
+    counter = {"n": 0}
+
+    def make(
+        family: str = "llama",
+        kv_dtype: str = "float32",
+        block_size: int = 4,
+        seed: int = 0,
+        hf_model=None,
+        **store,
+    ) -> Engine:
+        counter["n"] += 1
+        model = hf_model if hf_model is not None else tiny_hf_model(family, len(tokenizer), seed=seed)
+        config = EngineConfig(
+            model=family,
+            home=tmp_path / f"home{counter['n']}",
+            kv_dtype=kv_dtype,
+            block_size=block_size,
+            store=StoreConfig(**store),
+        )
+        return Engine(config, model, tokenizer, name=f"tiny-{family}")
+
+    return make
+
+
+@pytest.fixture
+def make_smol_engine(tmp_path, smollm2):
+    """make_smol_engine(kv_dtype="float32", **store) -> Engine over the real SmolLM2 with a fresh store."""
+
+    def make(kv_dtype: str = "float32", block_size: int = 16, home=None, **store) -> Engine:
+        config = EngineConfig(
+            model="smollm2-135m",
+            home=home or tmp_path / "smol-home",
+            kv_dtype=kv_dtype,
+            block_size=block_size,
+            store=StoreConfig(**store),
+        )
+        return Engine(config, smollm2.hf_model, smollm2.tokenizer, name="smollm2-135m")
+
+    return make
