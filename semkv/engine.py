@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,13 +125,21 @@ class Engine:
         return best, refusals
 
     # -- the pipeline --------------------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, **options: Any) -> Generation:
-        """Generate a completion. Options are the fields of :class:`GenerateRequest`."""
+    def generate(
+        self, prompt: str | None = None, on_token: Callable[[int], bool | None] | None = None, **options: Any
+    ) -> Generation:
+        """Generate a completion. Options are the fields of :class:`GenerateRequest`.
+
+        on_token: called with each kept token id as soon as it is sampled (streaming); returning
+        False stops the generation there.
+        """
         request = GenerateRequest(prompt=prompt, **options)
         with self._lock:
-            return self._generate(request)
+            return self._generate(request, on_token)
 
-    def _generate(self, request: GenerateRequest) -> Generation:
+    def _generate(
+        self, request: GenerateRequest, on_token: Callable[[int], bool | None] | None = None
+    ) -> Generation:
         layout = self.layout(request)
         prompt_ids = layout.token_ids
         start = time.perf_counter()
@@ -140,8 +149,9 @@ class Engine:
         generator = torch.Generator().manual_seed(request.seed)
         token = sample_token(outcome.logits, request.temperature, request.top_p, generator)
         ttft = time.perf_counter() - start
+        stopped = self._emit(on_token, token, request)  # before storing: streaming TTFT excludes the store
         store_s = self._after_prefill(request, layout, cache, outcome)
-        generated, decode_s = self._decode(cache, token, request, generator)
+        generated, decode_s = self._decode(cache, token, request, generator, on_token, stopped)
         stats = {
             "ttft_s": ttft,
             "decode_s": decode_s,
@@ -170,16 +180,35 @@ class Engine:
                 hook(self.ctx, request, layout, cache, outcome)
         return time.perf_counter() - start
 
+    def _emit(
+        self, on_token: Callable[[int], bool | None] | None, token: int, request: GenerateRequest
+    ) -> bool:
+        """Hand a kept (non-final-EOS) token to ``on_token``; True if it asked to stop."""
+        if on_token is None or (request.stop_at_eos and token in self.eos_ids):
+            return False
+        return on_token(token) is False
+
     def _decode(
-        self, cache: KVCache, first: int, request: GenerateRequest, generator: torch.Generator
+        self,
+        cache: KVCache,
+        first: int,
+        request: GenerateRequest,
+        generator: torch.Generator,
+        on_token: Callable[[int], bool | None] | None = None,
+        stopped: bool = False,
     ) -> tuple[list[int], float]:
         generated = [first]
         start = time.perf_counter()
         token = first
-        while len(generated) < request.max_new_tokens and not (request.stop_at_eos and token in self.eos_ids):
+        while (
+            not stopped
+            and len(generated) < request.max_new_tokens
+            and not (request.stop_at_eos and token in self.eos_ids)
+        ):
             logits = self.runtime.decode(cache, token)
             token = sample_token(logits, request.temperature, request.top_p, generator)
             generated.append(token)
+            stopped = self._emit(on_token, token, request)
         if request.stop_at_eos and generated and generated[-1] in self.eos_ids:
             generated.pop()
         return generated, time.perf_counter() - start
