@@ -60,6 +60,8 @@ class EngineConfig:
 
     model: an embedded model name (``smollm2-135m``) or a local HF checkpoint folder.
     home: semkv home folder (converted models + disk tier); None = :func:`default_home`.
+    models_dir: where embedded models are converted; None = ``<home>/models``. Several processes with
+        their own ``home`` (own disk store) can share one converted copy through it.
     kv_dtype: dtype of KV at rest *and* in the live computation ("float16", "bfloat16", "float32").
     block_size: tokens per prefix block.
     threads: torch intra-op threads; None leaves torch's default.
@@ -71,6 +73,7 @@ class EngineConfig:
     block_size: int = 16
     threads: int | None = None
     store: StoreConfig = field(default_factory=StoreConfig)
+    models_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
@@ -80,6 +83,7 @@ class EngineConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.home = Path(self.home).expanduser() if self.home is not None else default_home()
+        self.models_dir = Path(self.models_dir).expanduser() if self.models_dir is not None else None
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -89,3 +93,7 @@ class EngineConfig:
     def home_path(self) -> Path:
         assert isinstance(self.home, Path)
         return self.home
+
+    @property
+    def models_path(self) -> Path:
+        return Path(self.models_dir) if self.models_dir is not None else self.home_path / "models"

@@ -69,8 +69,10 @@ class Engine:
         block_size: int = 16,
         threads: int | None = None,
         store: StoreConfig | None = None,
+        models_dir: str | Path | None = None,
     ) -> Engine:
-        """Load an embedded model by name (converted once into ``home``) or a local HF checkpoint folder."""
+        """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
+        checkpoint folder."""
         config = EngineConfig(
             model=model,
             home=home,
@@ -78,8 +80,9 @@ class Engine:
             block_size=block_size,
             threads=threads,
             store=store or StoreConfig(),
+            models_dir=models_dir,
         )
-        loaded = load_model(config.model, config.home_path)
+        loaded = load_model(config.model, config.home_path, config.models_path)
         return cls(config, loaded.hf_model, loaded.tokenizer, name=loaded.name)
 
     def _eos_ids(self) -> set[int]:

@@ -87,11 +87,14 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_checkpoint(model: str, home: Path) -> Path:
-    """An embedded model name or a local folder -> a loadable HF checkpoint folder."""
+def resolve_checkpoint(model: str, home: Path, models_dir: Path | None = None) -> Path:
+    """An embedded model name or a local folder -> a loadable HF checkpoint folder.
+
+    models_dir: where embedded models are converted (default ``<home>/models``).
+    """
     if model in EMBEDDED:
         gguf = EMBEDDED[model].locate_gguf(home)
-        target = home / "models" / model
+        target = (Path(models_dir) if models_dir is not None else home / "models") / model
         marker = target / CONVERTED_MARKER
         fresh = marker.exists() and json.loads(marker.read_text()).get("size") == gguf.stat().st_size
         if not fresh:
@@ -155,11 +158,11 @@ class LoadedModel:
     model_type: str
 
 
-def load_model(model: str, home: Path) -> LoadedModel:
+def load_model(model: str, home: Path, models_dir: Path | None = None) -> LoadedModel:
     """Load an embedded model (converting it once) or a local checkpoint, float32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_checkpoint(model, home)
+    path = resolve_checkpoint(model, home, models_dir)
     config = json.loads((path / "config.json").read_text())
     model_type = config.get("model_type", "<missing>")
     adapter_for(model_type)  # clear error before loading weights
