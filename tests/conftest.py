@@ -105,3 +105,61 @@ def make_smol_engine(tmp_path, smollm2):
         return Engine(config, smollm2.hf_model, smollm2.tokenizer, name="smollm2-135m")
 
     return make
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` on a free loopback port (no persistence). ``stop()`` / ``start()``
+    simulate an outage and a recovery on the same port."""
+
+    def __init__(self, workdir) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        import shutil
+        import subprocess
+        import time
+
+        import redis
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            + ["--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test; killed afterwards."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
