@@ -17,7 +17,7 @@ from semkv.prompt import PromptLayout
 from semkv.request import GenerateRequest
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, register_path
 from semkv.store.entry import KVEntry
-from semkv.store.keys import EntryKind, prefix_block_keys
+from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, prefix_block_keys, prefix_digests
 from semkv.store.store import KVStore
 
 
@@ -29,9 +29,10 @@ class PrefixPlan(Plan):
 def lookup_prefix(store: KVStore, block_size: int, token_ids: list[int]) -> list[KVEntry]:
     """The longest run of stored blocks covering ``token_ids`` from the start."""
     found: list[KVEntry] = []
+    digests = prefix_digests(store.fingerprint, block_size, token_ids)
     for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids)):
         expect = token_ids[index * block_size : (index + 1) * block_size]
-        entry = store.get(key, expect, EntryKind.BLOCK)
+        entry = store.get(key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]})
         if entry is None or entry.block_size != block_size:
             break
         found.append(entry)
@@ -53,6 +54,7 @@ def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip
     """
     size = ctx.block_size
     keys = prefix_block_keys(ctx.fingerprint, size, token_ids)
+    digests = prefix_digests(ctx.fingerprint, size, token_ids)
     written = 0
     for index in range(skip_blocks, len(keys)):
         if ctx.store.contains(keys[index]):
@@ -69,6 +71,7 @@ def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip
                 v,
                 block_size=size,
                 parent=parent,
+                meta={PREFIX_DIGEST_META: digests[index]},
             )
         )
         written += 1

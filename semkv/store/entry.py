@@ -23,7 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from semkv.store.keys import FORMAT_VERSION, EntryKey, EntryKind
+from semkv.store.keys import FORMAT_VERSION, EntryKey, EntryKind, is_valid_key
 
 MAGIC = b"SEMKV\x00\x01\x00"
 
@@ -97,6 +97,40 @@ def encode(entry: KVEntry) -> bytes:
 
 def decode(data: bytes) -> KVEntry:
     """Bytes -> entry; :class:`CorruptEntry` for anything damaged, truncated or of another version."""
+    header, payload = _split(data)
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise CorruptEntry("payload checksum mismatch")
+    try:
+        tensors = st_load(payload)
+    except Exception as exc:  # safetensors raises its own error type for a malformed payload
+        raise CorruptEntry(f"unreadable payload: {exc}") from exc
+    try:
+        token_ids = tensors.pop("token_ids")
+        if token_ids.dim() != 1 or token_ids.dtype != torch.int64:
+            raise ValueError("token_ids must be a 1-D int64 tensor")
+        k, v = tensors.pop("k"), tensors.pop("v")
+        if not (k.is_floating_point() and v.is_floating_point()):
+            raise ValueError("k and v must be floating point")
+        if not isinstance(header["meta"], dict) or not isinstance(header["fingerprint"], str):
+            raise ValueError("meta must be an object and fingerprint a string")
+        return KVEntry(
+            key=EntryKey(header["key"]),
+            kind=EntryKind(header["kind"]),
+            fingerprint=header["fingerprint"],
+            token_ids=token_ids.tolist(),
+            k=k,
+            v=v,
+            block_size=int(header["block_size"]),
+            parent=header["parent"],
+            extras={name[2:]: t for name, t in tensors.items() if name.startswith("x.")},
+            meta=header["meta"],
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptEntry(f"inconsistent entry: {exc}") from exc
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """Check magic, header and version; return (header, payload) or raise :class:`CorruptEntry`."""
     if len(data) < len(MAGIC) + 8 or not data.startswith(MAGIC):
         raise CorruptEntry("bad magic or truncated header")
     (header_len,) = struct.unpack_from("<Q", data, len(MAGIC))
@@ -105,29 +139,29 @@ def decode(data: bytes) -> KVEntry:
         raise CorruptEntry("header length past end of data")
     try:
         header = json.loads(data[start : start + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptEntry(f"unreadable header: {exc}") from exc
-    if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
-        raise CorruptEntry(
-            f"format version {header.get('format_version') if isinstance(header, dict) else '?'}"
-            f" is not {FORMAT_VERSION}"
-        )
-    payload = data[start + header_len :]
-    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-        raise CorruptEntry("payload checksum mismatch")
-    try:
-        tensors = st_load(payload)
-        return KVEntry(
-            key=EntryKey(header["key"]),
-            kind=EntryKind(header["kind"]),
-            fingerprint=header["fingerprint"],
-            token_ids=tensors.pop("token_ids").tolist(),
-            k=tensors.pop("k"),
-            v=tensors.pop("v"),
-            block_size=int(header["block_size"]),
-            parent=header["parent"],
-            extras={name[2:]: t for name, t in tensors.items() if name.startswith("x.")},
-            meta=header["meta"],
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CorruptEntry(f"inconsistent entry: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CorruptEntry("header is not a JSON object")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise CorruptEntry(f"format version {header.get('format_version')!r} is not {FORMAT_VERSION}")
+    key, parent = header.get("key"), header.get("parent")
+    if not (isinstance(key, str) and is_valid_key(key)):
+        raise CorruptEntry("header names no valid key")
+    if parent is not None and not (isinstance(parent, str) and is_valid_key(parent)):
+        raise CorruptEntry("header names an invalid parent key")
+    return header, data[start + header_len :]
+
+
+def read_header(data: bytes) -> dict[str, Any]:
+    """The checked header of an entry without verifying its payload (cheap: for listings).
+
+    ``data`` may be just the first bytes of the entry, as long as they hold the header.
+    """
+    if len(data) < len(MAGIC) + 8 or not data.startswith(MAGIC):
+        raise CorruptEntry("bad magic or truncated header")
+    (header_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    return _split(data[: len(MAGIC) + 8 + header_len])[0]
+
+
+HEADER_PEEK_BYTES = 64 * 1024  # enough for any header semkv writes (meta stays small)

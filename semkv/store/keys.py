@@ -87,5 +87,24 @@ def prefix_block_keys(fingerprint: str, block_size: int, token_ids: Sequence[int
     return keys
 
 
+def prefix_digests(fingerprint: str, block_size: int, token_ids: Sequence[int]) -> list[str]:
+    """For every full block, the sha256 of *all* token ids from 0 to the block's end.
+
+    Stored in a prefix block's ``meta["prefix_sha256"]`` and compared on every hit. It
+    is computed straight from the token ids, independently of the chained key
+    function, so a block whose key collides with one computed after a different
+    prefix (whose own token ids may be equal) is still refused.
+    """
+    h = hashlib.sha256(f"semkv-prefix|{FORMAT_VERSION}|{fingerprint}|{block_size}|".encode())
+    digests: list[str] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h.update(struct.pack(f"<{block_size}q", *token_ids[start : start + block_size]))
+        digests.append(h.copy().hexdigest())
+    return digests
+
+
+PREFIX_DIGEST_META = "prefix_sha256"
+
+
 def is_valid_key(key: str) -> bool:
     return len(key) == 64 and all(c in "0123456789abcdef" for c in key)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ class StoreStats:
     misses: int = 0
     mismatches: int = 0  # an entry was found under the key but belongs to other tokens/model/kind
     puts: int = 0
+    tier_errors: int = 0  # a tier raised; the call was treated as a miss / a skipped write
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -37,6 +40,7 @@ class KVStore:
         self.tiers: list[Tier] = list(tiers)
         self.fingerprint = fingerprint
         self.stats = StoreStats()
+        self._closed = False
 
     @classmethod
     def from_config(cls, config: StoreConfig, home: Path, fingerprint: str) -> KVStore:
@@ -58,46 +62,91 @@ class KVStore:
         return next((t for t in self.tiers if t.name == name), None)
 
     def _owned(
-        self, entry: KVEntry, key: EntryKey, token_ids: Sequence[int] | None, kind: EntryKind | None
+        self,
+        entry: KVEntry,
+        key: EntryKey,
+        token_ids: Sequence[int] | None,
+        kind: EntryKind | None,
+        expect_meta: Mapping[str, object] | None = None,
     ) -> bool:
         if entry.key != key or entry.fingerprint != self.fingerprint:
             return False
         if kind is not None and entry.kind != kind:
             return False
+        if expect_meta and any(entry.meta.get(name) != value for name, value in expect_meta.items()):
+            return False
         return token_ids is None or list(entry.token_ids) == list(token_ids)
 
+    def _tier_failed(self, tier: Tier, action: str, key: str, exc: Exception) -> None:
+        self.stats.tier_errors += 1
+        tier.stats.errors += 1
+        log.warning(
+            "%s of entry %s in tier %s failed (%s: %s); treated as a miss",
+            action,
+            key[:12],
+            tier.name,
+            type(exc).__name__,
+            exc,
+        )
+
     def get(
-        self, key: EntryKey, token_ids: Sequence[int] | None = None, kind: EntryKind | None = None
+        self,
+        key: EntryKey,
+        token_ids: Sequence[int] | None = None,
+        kind: EntryKind | None = None,
+        expect_meta: Mapping[str, object] | None = None,
     ) -> KVEntry | None:
-        """The entry under ``key`` if it is ours and holds ``token_ids``; else None (a miss)."""
+        """The entry under ``key`` if it is ours and holds ``token_ids``; else None (a miss).
+
+        expect_meta: metadata the entry must carry with these exact values (e.g. a digest
+        of the whole prefix a block was computed after), checked like the token ids.
+        A tier that raises is a miss, never an error to the caller.
+        """
         self.stats.lookups += 1
         for depth, tier in enumerate(self.tiers):
-            entry = tier.get(key)
+            try:
+                entry = tier.get(key)
+            except Exception as exc:  # a cache failure must never fail the request
+                self._tier_failed(tier, "read", key, exc)
+                continue
             if entry is None:
                 continue
-            if not self._owned(entry, key, token_ids, kind):
+            if not self._owned(entry, key, token_ids, kind, expect_meta):
                 self.stats.mismatches += 1
                 log.warning(
                     "entry %s in tier %s does not match the request; treated as a miss", key[:12], tier.name
                 )
                 continue
             for faster in self.tiers[:depth]:
-                faster.put(entry)
+                self._put_into(faster, entry)
             self.stats.hits += 1
             return entry
         self.stats.misses += 1
         return None
 
     def contains(self, key: EntryKey) -> bool:
-        return any(key in tier for tier in self.tiers)
+        for tier in self.tiers:
+            try:
+                if key in tier:
+                    return True
+            except Exception as exc:
+                self._tier_failed(tier, "lookup", key, exc)
+        return False
 
-    def put(self, entry: KVEntry) -> None:
-        """Write-through to every tier."""
+    def _put_into(self, tier: Tier, entry: KVEntry) -> bool:
+        try:
+            return bool(tier.put(entry))
+        except Exception as exc:  # a cache failure must never fail the request
+            self._tier_failed(tier, "write", entry.key, exc)
+            return False
+
+    def put(self, entry: KVEntry) -> bool:
+        """Write-through to every tier; True if at least one tier now holds the entry."""
         if entry.fingerprint != self.fingerprint:
             raise ValueError("entry fingerprint does not match this store's model")
         self.stats.puts += 1
-        for tier in self.tiers:
-            tier.put(entry)
+        stored = [self._put_into(tier, entry) for tier in self.tiers]
+        return any(stored)
 
     def delete(self, key: EntryKey) -> None:
         for tier in self.tiers:
@@ -124,5 +173,19 @@ class KVStore:
         }
 
     def close(self) -> None:
+        """Record this process's hit counters beside the disk tier (for ``semkv cache stats``); close tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        if disk is not None and (self.stats.lookups or self.stats.puts):
+            disk.record_usage(
+                {
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "store": self.stats.as_dict(),
+                    "tiers": {t.name: t.stats.as_dict() for t in self.tiers},
+                }
+            )
         for tier in self.tiers:
             tier.close()

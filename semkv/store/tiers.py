@@ -8,6 +8,7 @@ touching anything above the store.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -201,37 +202,83 @@ class DiskTier:
         return self.root / key[:2] / f"{key}{self.SUFFIX}"
 
     def sweep_temp_files(self) -> int:
-        """Remove temp files of interrupted writes; returns how many."""
+        """Remove temp files of interrupted writes; returns how many.
+
+        A temp file is stale when the process named in it is gone, or when it is older
+        than ``STALE_TEMP_S`` (a pid may be reused, or belong to another host); a temp
+        file of a live writer in another process is left alone so its rename succeeds.
+        """
         count = 0
         for tmp in self.root.glob(f"*/{self.TMP_PREFIX}*"):
+            if not self._stale_temp(tmp):
+                continue
             tmp.unlink(missing_ok=True)
             count += 1
         if count:
             log.info("swept %d temp files of interrupted writes in %s", count, self.root)
         return count
 
+    STALE_TEMP_S = 600.0
+
+    def _stale_temp(self, tmp: Path) -> bool:
+        try:
+            age = time.time() - tmp.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        parts = tmp.name.split(".")
+        pid = int(parts[-2]) if len(parts) >= 4 and parts[-2].isdigit() else None
+        return pid is None or age > self.STALE_TEMP_S or not _pid_alive(pid)
+
     def _files(self) -> Iterator[Path]:
         return self.root.glob(f"*/*{self.SUFFIX}")
 
-    def quarantine(self, path: Path, reason: str) -> None:
-        qdir = self.root / "quarantine"
-        qdir.mkdir(exist_ok=True)
+    def quarantine(self, path: Path, reason: str, inode: tuple[int, int] | None = None) -> None:
+        """Move a damaged file to ``root/quarantine`` (or delete it); never raises.
+
+        inode: (st_dev, st_ino) of the damaged file that was read. If another process
+        replaced the file with a good one meanwhile, the good one is put back.
+        """
+        moved: Path | None = None
         try:
-            path.rename(qdir / f"{path.name}.{time.time_ns()}")
+            qdir = self.root / "quarantine"
+            qdir.mkdir(exist_ok=True)
+            moved = qdir / f"{path.name}.{time.time_ns()}.{os.getpid()}"
+            path.rename(moved)
+        except FileNotFoundError:
+            return  # already gone (another reader quarantined it)
         except OSError:
-            path.unlink(missing_ok=True)
+            moved = None
+            try:
+                if inode is None or _inode(path) == inode:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove damaged cache entry %s: %s", path, exc)
+        if moved is not None and inode is not None:
+            try:
+                if _inode(moved) != inode:  # a writer replaced it with a good file in between
+                    _restore(moved, path)
+                    return
+            except OSError:
+                pass
         self.stats.corrupt += 1
         log.warning("quarantined damaged cache entry %s: %s", path.name, reason)
+
+    def read_file(self, path: Path) -> tuple[bytes, tuple[int, int]]:
+        """(bytes, (st_dev, st_ino)) of one entry file, read through one open descriptor."""
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            return fh.read(), (st.st_dev, st.st_ino)
 
     def get(self, key: EntryKey) -> KVEntry | None:
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            data, inode = self.read_file(path)
         except FileNotFoundError:
             self.stats.misses += 1
             return None
         except OSError as exc:
             self.stats.errors += 1
+            self.stats.misses += 1
             log.warning("cannot read cache entry %s: %s", path, exc)
             return None
         try:
@@ -239,7 +286,7 @@ class DiskTier:
             if entry.key != key:
                 raise CorruptEntry(f"file holds entry {entry.key[:12]}, not {key[:12]}")
         except CorruptEntry as exc:
-            self.quarantine(path, str(exc))
+            self.quarantine(path, str(exc), inode)
             self.stats.misses += 1
             return None
         self.stats.hits += 1
@@ -248,12 +295,12 @@ class DiskTier:
 
     def put(self, entry: KVEntry) -> bool:
         path = self.path(entry.key)
-        if path.exists():
+        if path.is_file():
             return True
         data = encode(entry)
-        path.parent.mkdir(exist_ok=True)
         tmp = path.parent / f"{self.TMP_PREFIX}{entry.key}.{os.getpid()}.{threading.get_ident()}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
@@ -265,7 +312,10 @@ class DiskTier:
             finally:
                 os.close(dir_fd)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             self.stats.errors += 1
             log.warning("cannot write cache entry %s: %s", path, exc)
             return False
@@ -294,10 +344,13 @@ class DiskTier:
             self.stats.evictions += 1
 
     def delete(self, key: EntryKey) -> None:
-        self.path(key).unlink(missing_ok=True)
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot delete cache entry %s: %s", key[:12], exc)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.path(EntryKey(key)).exists()
+        return isinstance(key, str) and is_valid_key(key) and self.path(EntryKey(key)).is_file()
 
     def keys(self) -> Iterator[EntryKey]:
         for f in self._files():
@@ -314,5 +367,62 @@ class DiskTier:
                 pass
         return total
 
+    USAGE_FILE = "usage.jsonl"
+
+    def record_usage(self, record: dict[str, object]) -> None:
+        """Append one process's counters to ``root/usage.jsonl`` (one short O_APPEND write; never raises)."""
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        try:
+            fd = os.open(self.root / self.USAGE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("cannot record cache usage in %s: %s", self.root, exc)
+
+    def read_usage(self) -> list[dict[str, object]]:
+        """Every usage record written so far (damaged lines skipped)."""
+        try:
+            text = (self.root / self.USAGE_FILE).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+        records = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
     def close(self) -> None:
         pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (a zombie counts as alive until reaped)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def _restore(moved: Path, path: Path) -> None:
+    """Put a good file moved by mistake back at ``path`` without overwriting a newer one."""
+    try:
+        os.link(moved, path)
+    except FileExistsError:
+        pass
+    moved.unlink(missing_ok=True)
