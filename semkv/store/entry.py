@@ -5,9 +5,9 @@ Format (one file on disk, one value in Redis)::
     b"SEMKV\\x00\\x01\\x00"  | u64 little-endian header length | header JSON | safetensors payload
 
 The header names the entry (key, kind, fingerprint, block size, parent, metadata)
-and carries the sha256 of the payload; :func:`decode` checks the magic, the format
-version and the checksum, and raises :class:`CorruptEntry` on any mismatch so a
-damaged entry is a miss, never wrong KV.
+and carries the sha256 of the payload and of the header itself; :func:`decode`
+checks the magic, the format version and both checksums, and raises
+:class:`CorruptEntry` on any mismatch so a damaged entry is a miss, never wrong KV.
 """
 
 from __future__ import annotations
@@ -79,20 +79,29 @@ def encode(entry: KVEntry) -> bytes:
     }
     tensors.update({f"x.{name}": t.contiguous() for name, t in entry.extras.items()})
     payload = st_save(tensors)
-    header = json.dumps(
-        {
-            "format_version": FORMAT_VERSION,
-            "key": entry.key,
-            "kind": entry.kind.value,
-            "fingerprint": entry.fingerprint,
-            "block_size": entry.block_size,
-            "parent": entry.parent,
-            "meta": entry.meta,
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        },
-        sort_keys=True,
-    ).encode()
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "key": entry.key,
+        "kind": entry.kind.value,
+        "fingerprint": entry.fingerprint,
+        "block_size": entry.block_size,
+        "parent": entry.parent,
+        "meta": entry.meta,
+        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    fields = json.loads(json.dumps(fields))  # normalized: what decode will parse back
+    fields[HEADER_CHECKSUM] = _header_digest(fields)
+    header = json.dumps(fields, sort_keys=True).encode()
     return MAGIC + struct.pack("<Q", len(header)) + header + payload
+
+
+HEADER_CHECKSUM = "header_sha256"
+
+
+def _header_digest(fields: dict[str, Any]) -> str:
+    """sha256 of the header's canonical JSON without its own checksum field."""
+    body = {name: value for name, value in fields.items() if name != HEADER_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def decode(data: bytes) -> KVEntry:
@@ -145,6 +154,8 @@ def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
         raise CorruptEntry("header is not a JSON object")
     if header.get("format_version") != FORMAT_VERSION:
         raise CorruptEntry(f"format version {header.get('format_version')!r} is not {FORMAT_VERSION}")
+    if header.get(HEADER_CHECKSUM) != _header_digest(header):
+        raise CorruptEntry("header checksum mismatch")
     key, parent = header.get("key"), header.get("parent")
     if not (isinstance(key, str) and is_valid_key(key)):
         raise CorruptEntry("header names no valid key")
