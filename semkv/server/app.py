@@ -1,0 +1,547 @@
+"""The OpenAI-compatible HTTP API over one :class:`~semkv.engine.Engine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE
+with ``"stream": true``), ``POST /v1/documents`` (+ ``GET``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Model work runs on the engine thread
+(:class:`~semkv.server.worker.EngineWorker`); a streamed response receives tokens from
+the engine's ``on_token`` callback through an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from semkv import __version__ as semkv_version
+from semkv.request import GenerateRequest
+from semkv.server.documents import Document, DocumentRegistry
+from semkv.server.errors import APIError, error_body, install_error_handlers
+from semkv.server.metrics import ServerMetrics
+from semkv.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DocumentRequest,
+    SamplingFields,
+    SemkvExtension,
+)
+from semkv.server.streaming import TextStream
+from semkv.server.worker import EngineWorker
+from semkv.store.redis_tier import RedisTier
+
+log = logging.getLogger(__name__)
+
+# Engine options a request sets through OpenAI's own fields, not through "semkv".
+RESERVED_OPTIONS = {
+    "prompt": "prompt / messages",
+    "messages": "messages",
+    "chunks": "semkv.chunks / semkv.documents",
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+}
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/documents",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
+
+
+@dataclass
+class ServerConfig:
+    """model_name: the id clients send as ``model`` (None: the engine's name).
+    defaults: engine options applied to every request unless the request's ``semkv`` field overrides them.
+    default_temperature: used when a request omits ``temperature`` (0 = greedy).
+    completion_max_tokens / chat_max_tokens: used when a request omits ``max_tokens``
+    (chat: also capped to what fits in the context).
+    documents_dir: where document records are kept (None: ``<engine home>/documents``).
+    """
+
+    model_name: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    max_queue: int = 64
+    default_temperature: float = 0.0
+    completion_max_tokens: int = 16
+    chat_max_tokens: int = 256
+    max_body_bytes: int = 32 * 1024**2
+    documents_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 0.0 <= self.default_temperature <= 2.0:
+            raise ValueError(f"default_temperature must be in [0, 2], got {self.default_temperature}")
+        if self.completion_max_tokens < 1 or self.chat_max_tokens < 1:
+            raise ValueError("default max tokens must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        bad = sorted(set(self.defaults) & set(RESERVED_OPTIONS))
+        if bad:
+            raise ValueError(f"server defaults cannot set {bad}: they come from each request's OpenAI fields")
+        allowed = engine_option_names()
+        unknown = sorted(set(self.defaults) - allowed)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(allowed)}")
+        try:
+            GenerateRequest(prompt="x", **self.defaults)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"invalid server defaults: {exc}") from exc
+
+
+def engine_option_names() -> set[str]:
+    """Options a request may set through ``semkv``: the GenerateRequest fields OpenAI has no field for."""
+    return {f.name for f in dataclasses.fields(GenerateRequest)} - set(RESERVED_OPTIONS)
+
+
+def jsonable(value: Any) -> Any:
+    """Stats -> JSON-safe values (tensors and other objects become strings)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return jsonable(value.item())
+    return str(value)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict[str, Any]
+    finish_reason: str
+    ttft_s: float | None
+
+
+class ServerState:
+    """What the routes share: the engine, its worker, the document registry, metrics."""
+
+    def __init__(self, engine: Any, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = config.model_name or str(engine.name)
+        self.created = int(time.time())
+        self.worker = EngineWorker(config.max_queue)
+        self.metrics = ServerMetrics(lambda: self.engine.store)
+        redis = engine.store.tier("redis")
+        self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
+        folder = config.documents_dir or Path(engine.config.home_path) / "documents"
+        self.documents = DocumentRegistry(folder, self.redis)
+
+    # -- validation -----------------------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} is not served here; use {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def context_chunks(self, ext: SemkvExtension) -> list[str]:
+        chunks = []
+        for doc_id in ext.documents:
+            doc = self.documents.get(doc_id)
+            if doc is None:
+                raise APIError(
+                    404, f"unknown document id {doc_id!r}", "semkv.documents", "document_not_found"
+                )
+            chunks.append(doc.text)
+        return chunks + list(ext.chunks)
+
+    def engine_kwargs(self, body: SamplingFields, max_tokens: int | None, **prompt: Any) -> dict[str, Any]:
+        """OpenAI fields + ``semkv`` extension -> validated ``Engine.generate`` keyword arguments.
+
+        ``max_new_tokens`` is None when the request left it to the server (filled in on the engine thread).
+        """
+        ext = body.semkv or SemkvExtension()
+        options = ext.options
+        for name in options:
+            if name in RESERVED_OPTIONS:
+                raise APIError(
+                    400, f"set {name!r} with the OpenAI field {RESERVED_OPTIONS[name]!r}", f"semkv.{name}"
+                )
+            if name not in engine_option_names():
+                raise APIError(
+                    400,
+                    f"unknown semkv option {name!r}; known: {sorted(engine_option_names() | {'documents', 'chunks'})}",
+                    f"semkv.{name}",
+                    "unknown_option",
+                )
+        temperature = body.temperature if body.temperature is not None else self.config.default_temperature
+        seed = (
+            body.seed
+            if body.seed is not None
+            else (0 if temperature == 0 else int.from_bytes(os.urandom(8)) >> 2)
+        )
+        kwargs: dict[str, Any] = {
+            **prompt,
+            "chunks": self.context_chunks(ext),
+            "max_new_tokens": max_tokens,
+            "temperature": float(temperature),
+            "top_p": float(body.top_p if body.top_p is not None else 1.0),
+            "seed": seed % 2**63,
+            **self.config.defaults,
+            **options,
+        }
+        try:
+            GenerateRequest(**{**kwargs, "max_new_tokens": max_tokens or 1})
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"invalid request: {exc}", "semkv", "invalid_value") from exc
+        return kwargs
+
+    # -- engine-thread jobs ----------------------------------------------------------------------------
+    def generate(
+        self,
+        kwargs: dict[str, Any],
+        default_max: int,
+        stop: list[str],
+        started: float,
+        emit: Callable[[str], None] | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> GenerationResult:
+        """Run one generation on the engine thread; ``emit`` receives text deltas as they become safe."""
+        if cancelled is not None and cancelled.is_set():
+            raise APIError(499, "the client went away before the request started", None, "cancelled")
+        engine = self.engine
+        if kwargs["max_new_tokens"] is None:
+            layout = engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
+            room = engine.max_context - len(layout)
+            kwargs = {**kwargs, "max_new_tokens": max(1, min(default_max, room))}
+        stream = TextStream(engine.tokenizer, stop)
+        first: list[float] = []
+
+        def on_token(token: int) -> bool:
+            if not first:
+                first.append(time.perf_counter())
+            delta = stream.push(token)
+            if delta and emit is not None:
+                emit(delta)
+            return not (stream.stopped or (cancelled is not None and cancelled.is_set()))
+
+        generation = engine.generate(on_token=on_token, **kwargs)
+        tail = stream.finish()
+        if tail and emit is not None:
+            emit(tail)
+        length = not stream.stopped and len(generation.token_ids) >= kwargs["max_new_tokens"]
+        ttft = (first[0] if first else time.perf_counter()) - started
+        self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
+        return GenerationResult(
+            stream.text, list(generation.token_ids), generation.stats, "length" if length else "stop", ttft
+        )
+
+    def add_documents(self, texts: list[str]) -> list[Document]:
+        tokenizer = self.engine.tokenizer
+        counts = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        for i, n in enumerate(counts):
+            if n == 0:
+                raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
+            if n >= self.engine.max_context:
+                raise APIError(
+                    400,
+                    f"document {i} has {n} tokens; the model's context is {self.engine.max_context}",
+                    "input",
+                    "context_length_exceeded",
+                )
+        add_chunks = getattr(self.engine, "add_chunks", None)
+        chunk_ids: list[list[str]] = [[] for _ in texts]
+        if callable(add_chunks):
+            ids = list(add_chunks(texts))
+            if len(ids) == len(texts):
+                chunk_ids = [[str(i)] for i in ids]
+            else:
+                log.warning("add_chunks returned %d ids for %d texts; not recorded", len(ids), len(texts))
+            self.metrics.document_tokens.inc(sum(counts))
+        docs = [DocumentRegistry.new(t, n, c) for t, n, c in zip(texts, counts, chunk_ids, strict=True)]
+        for doc in docs:
+            self.documents.put(doc)
+        self.metrics.documents.inc(len(docs))
+        return docs
+
+
+def map_engine_error(exc: BaseException) -> APIError:
+    """An exception raised by a job -> the error answered to the client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        code = "context_length_exceeded" if "context" in message else "invalid_value"
+        return APIError(400, message, None, code)
+    log.error("engine failure: %s", exc, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by endpoint and status (pure ASGI: streamed bodies pass through untouched)
+    and refuses bodies over the size limit with a 413."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+        status = 500
+        start = time.perf_counter()
+
+        async def send_counted(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.state.config.max_body_bytes:
+                response = JSONResponse(
+                    error_body(
+                        413, f"request body over {self.state.config.max_body_bytes} bytes", None, "too_large"
+                    ),
+                    status_code=413,
+                )
+                await response(scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        finally:
+            metrics = self.state.metrics
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`~semkv.engine.Engine`)."""
+    state = ServerState(engine, config or ServerConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.worker.shutdown()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="semkv",
+        version=semkv_version,
+        description="OpenAI-compatible server with semantic KV-cache reuse",
+    )
+    app.state.semkv = state
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, state=state)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        redis = "disabled" if state.redis is None else ("up" if state.redis.available else "down")
+        return {
+            "status": "ok",
+            "model": state.model_name,
+            "queue": state.worker.pending,
+            "redis": redis,
+            "documents": len(state.documents),
+        }
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        state.metrics.queue_depth.set(state.worker.pending)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "semkv"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/documents")
+    async def add_documents(body: DocumentRequest) -> dict[str, Any]:
+        docs = await _run(state, lambda: state.add_documents(body.texts))
+        return {"object": "list", "data": [d.summary() for d in docs]}
+
+    @app.get("/v1/documents")
+    async def list_documents() -> dict[str, Any]:
+        return {"object": "list", "data": [d.summary() for d in state.documents.list()]}
+
+    @app.get("/v1/documents/{doc_id}")
+    async def get_document(doc_id: str) -> dict[str, Any]:
+        doc = state.documents.get(doc_id)
+        if doc is None:
+            raise APIError(404, f"unknown document id {doc_id!r}", "doc_id", "document_not_found")
+        return {**doc.summary(), "text": doc.text}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        state.check_model(body.model)
+        prompts = body.prompts
+        if body.stream and len(prompts) != 1:
+            raise APIError(400, "streaming supports a single prompt", "prompt", "invalid_value")
+        calls = [state.engine_kwargs(body, body.max_tokens, prompt=p) for p in prompts]
+        default = state.config.completion_max_tokens
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+        if body.stream:
+
+            def chunk(delta: str | None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                return {**base, "choices": [choice], **extra}
+
+            return await _stream(state, body, calls[0], default, started, request, chunk, None)
+
+        def run_all() -> list[GenerationResult]:
+            return [state.generate(kw, default, body.stop_list, started) for kw in calls]
+
+        results = await _run(state, run_all)
+        choices = [
+            {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+            for i, r in enumerate(results)
+        ]
+        return {**base, "choices": choices, "usage": _usage(results), "semkv": _stats(results)}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        state.check_model(body.model)
+        messages = [m.as_engine_message() for m in body.messages]
+        kwargs = state.engine_kwargs(body, body.token_limit, messages=messages)
+        default = state.config.chat_max_tokens
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        if body.stream:
+
+            def chunk(delta: str | None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+                content = {} if delta is None else {"content": delta}
+                return {**base, "choices": [{"index": 0, "delta": content, "finish_reason": finish}], **extra}
+
+            opening = {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            }
+            return await _stream(state, body, kwargs, default, started, request, chunk, opening)
+
+        result = (await _run(state, lambda: [state.generate(kwargs, default, body.stop_list, started)]))[0]
+        message = {"role": "assistant", "content": result.text}
+        return {
+            **base,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
+            "usage": _usage([result]),
+            "semkv": _stats([result]),
+        }
+
+    return app
+
+
+async def _run(state: ServerState, job: Callable[[], Any]) -> Any:
+    try:
+        return await state.worker.submit(job)
+    except APIError:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise map_engine_error(exc) from exc
+
+
+def _usage(results: list[GenerationResult]) -> dict[str, int]:
+    prompt = sum(int(r.stats.get("prompt_tokens", 0)) for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _stats(results: list[GenerationResult]) -> dict[str, Any] | list[dict[str, Any]]:
+    """The ``semkv`` field of a response: the engine's stats (path, reused/recomputed tokens, timings)."""
+    out = [jsonable({**r.stats, "server_ttft_s": r.ttft_s}) for r in results]
+    return out[0] if len(out) == 1 else out
+
+
+async def _stream(
+    state: ServerState,
+    body: SamplingFields,
+    kwargs: dict[str, Any],
+    default_max: int,
+    started: float,
+    request: Request,
+    chunk: Callable[..., dict[str, Any]],
+    opening: dict[str, Any] | None,
+) -> Any:
+    """Start the generation; answer a JSON error if it fails before its first text, else an SSE stream."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def emit(delta: str) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, ("delta", delta))
+
+    def job() -> GenerationResult:
+        return state.generate(kwargs, default_max, body.stop_list, started, emit, cancelled)
+
+    future = state.worker.submit(job)
+    future.add_done_callback(lambda f: events.put_nowait(("done", f)))
+    try:
+        first = await events.get()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    if first[0] == "done" and first[1].exception() is not None:
+        raise map_engine_error(first[1].exception())
+
+    async def sse() -> AsyncIterator[bytes]:
+        event = first
+        try:
+            if opening is not None:
+                yield _sse(opening)
+            while True:
+                kind, value = event
+                if kind == "delta":
+                    yield _sse(chunk(value))
+                else:
+                    if value.exception() is not None:
+                        yield _sse(map_engine_error(value.exception()).body())
+                    else:
+                        result: GenerationResult = value.result()
+                        yield _sse(chunk(None, result.finish_reason, semkv=_stats([result])))
+                        if body.include_usage:
+                            yield _sse({**chunk(None), "choices": [], "usage": _usage([result])})
+                    yield _sse("[DONE]")
+                    return
+                event = await events.get()
+        finally:
+            cancelled.set()  # client gone or stream over: stop generating
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

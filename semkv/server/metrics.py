@@ -1,0 +1,108 @@
+"""Prometheus metrics of one server: its own registry (several apps in one process never collide).
+
+Request metrics are updated as requests finish; store metrics are read from the
+store's counters at scrape time (one source of truth, nothing double-counted):
+every field of every tier's stats becomes ``semkv_store_tier_<field>_total{tier=...}``,
+plus ``semkv_store_tier_bytes`` / ``semkv_store_tier_entries`` gauges.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class StoreCollector:
+    """Reads ``store.stats`` and every tier's ``stats`` / ``nbytes()`` / ``keys()`` when scraped."""
+
+    def __init__(self, store_of: Callable[[], Any]) -> None:
+        self.store_of = store_of
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store_of()
+        if store is None:
+            return
+        for name, value in store.stats.as_dict().items():
+            family = CounterMetricFamily(f"semkv_store_{name}", f"store-level {name} (all tiers)")
+            family.add_metric([], float(value))
+            yield family
+        fields: dict[str, CounterMetricFamily] = {}
+        nbytes = GaugeMetricFamily("semkv_store_tier_bytes", "bytes held by the tier", labels=["tier"])
+        entries = GaugeMetricFamily("semkv_store_tier_entries", "entries held by the tier", labels=["tier"])
+        for tier in store.tiers:
+            for name, value in tier.stats.as_dict().items():
+                if name not in fields:
+                    fields[name] = CounterMetricFamily(
+                        f"semkv_store_tier_{name}", f"tier {name}", labels=["tier"]
+                    )
+                fields[name].add_metric([tier.name], float(value))
+            try:
+                nbytes.add_metric([tier.name], float(tier.nbytes()))
+                entries.add_metric([tier.name], float(sum(1 for _ in tier.keys())))
+            except Exception as exc:  # a scrape must not fail because one tier is sick
+                log.warning("cannot size tier %s for metrics: %s", tier.name, exc)
+        yield from fields.values()
+        yield nbytes
+        yield entries
+
+
+class ServerMetrics:
+    def __init__(self, store_of: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "semkv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "semkv_request_seconds", "request latency", ["endpoint"], buckets=TIME_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "semkv_ttft_seconds",
+            "time to first token: request received (incl. queueing) to first token sampled",
+            ["path"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "semkv_prefill_seconds",
+            "engine prefill (plan + prefill + sample)",
+            ["path"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.reused = Counter(
+            "semkv_tokens_reused", "prompt tokens whose KV was reused", ["path"], registry=r
+        )
+        self.recomputed = Counter(
+            "semkv_tokens_recomputed", "prompt tokens computed by the model", ["path"], registry=r
+        )
+        self.prompt_tokens = Counter("semkv_prompt_tokens", "prompt tokens", registry=r)
+        self.completion_tokens = Counter("semkv_completion_tokens", "generated tokens", registry=r)
+        self.queue_depth = Gauge("semkv_queue_depth", "engine jobs waiting or running", registry=r)
+        self.documents = Counter("semkv_documents_added", "documents uploaded", registry=r)
+        self.document_tokens = Counter(
+            "semkv_document_tokens_precomputed", "tokens of chunk KV precomputed for documents", registry=r
+        )
+        r.register(StoreCollector(store_of))
+
+    def observe_generation(self, stats: dict[str, Any], completion_tokens: int, ttft_s: float | None) -> None:
+        path = str(stats.get("path", "unknown"))
+        self.reused.labels(path).inc(float(stats.get("reused_tokens", 0) or 0))
+        self.recomputed.labels(path).inc(float(stats.get("recomputed_tokens", 0) or 0))
+        self.prompt_tokens.inc(float(stats.get("prompt_tokens", 0) or 0))
+        self.completion_tokens.inc(completion_tokens)
+        if "ttft_s" in stats:
+            self.prefill.labels(path).observe(float(stats["ttft_s"]))
+        if ttft_s is not None:
+            self.ttft.labels(path).observe(ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

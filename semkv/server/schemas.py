@@ -1,0 +1,174 @@
+"""Request bodies of the OpenAI-compatible API (validated with pydantic, strict types).
+
+The ``semkv`` extension field (``extra_body={"semkv": {...}}`` in the ``openai``
+client) carries what OpenAI has no field for::
+
+    "semkv": {
+        "documents": ["doc-..."],          # ids returned by POST /v1/documents
+        "chunks": ["inline context", ...], # context chunks sent with the request
+        "reuse": "auto", ...               # any other key: an option of Engine.generate
+    }
+
+Engine options are validated by building the engine's own ``GenerateRequest``, so the
+set of accepted options grows with the engine (blend, share, sparse settings) and a
+bad value is a 400, never a failure inside the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from semkv.request import MAX_NEW_TOKENS_LIMIT
+
+MAX_CONTEXT_ITEMS = 64
+MAX_STOP = 4
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored (OpenAI clients add new ones over time); known ones are strictly typed.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class SemkvExtension(BaseModel):
+    """Context by document id or inline, plus engine options (``model_extra``)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    documents: list[NonEmptyStr] = Field(default_factory=list, max_length=MAX_CONTEXT_ITEMS)
+    chunks: list[str] = Field(default_factory=list, max_length=MAX_CONTEXT_ITEMS)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    user: str | None = None
+    semkv: SemkvExtension | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``. ``prompt``: one string or a list of strings (one choice each)."""
+
+    prompt: str | list[str] = Field(..., description="a string or a list of strings")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    echo: bool = Field(False, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=0, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+    suffix: None = Field(None, description="not supported")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_list(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= 16:
+            raise ValueError("prompt must be a string or a list of 1 to 16 strings")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_engine_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``. The last message must be the user's."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    logprobs: bool | None = Field(None, description="not supported")
+
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_user(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if value[-1].role != "user":
+            raise ValueError("the last message must have role 'user'")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class DocumentRequest(_Strict):
+    """``POST /v1/documents``: each input string is one document, stored as one context chunk."""
+
+    input: NonEmptyStr | list[NonEmptyStr]
+
+    @field_validator("input")
+    @classmethod
+    def _count(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= MAX_CONTEXT_ITEMS:
+            raise ValueError(f"input must be a string or a list of 1 to {MAX_CONTEXT_ITEMS} strings")
+        return value
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
