@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-REUSE_MODES = ("auto", "none", "prefix")
+REUSE_MODES = ("auto", "none", "prefix", "share")
 MAX_NEW_TOKENS_LIMIT = 8192
 
 
@@ -34,6 +34,7 @@ class GenerateRequest:
     seed: int = 0
     stop_at_eos: bool = True
     store_prompt: bool = True  # keep this prompt's KV in the store for later requests
+    share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -51,6 +52,12 @@ class GenerateRequest:
             raise ValueError(
                 f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}"
             )
+        if self.share is not None:
+            from semkv.reuse.share import ShareConfig  # lazy: semkv.reuse imports this module
+
+            self.share = ShareConfig(**self.share) if isinstance(self.share, dict) else self.share
+            if not isinstance(self.share, ShareConfig):
+                raise ValueError(f"share must be a ShareConfig or a dict, got {type(self.share).__name__}")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"unknown reuse mode {self.reuse!r}; choose one of {', '.join(REUSE_MODES)}")
         if not 0.0 <= self.temperature <= 100.0:

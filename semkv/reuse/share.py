@@ -1,0 +1,547 @@
+"""SemShareKV: serve a prompt from the KV cache of the most similar earlier prompt.
+
+Remember (a post-prefill hook): every exactly prefilled prompt of at least
+``min_tokens`` tokens is stored as an ``EntryKind.PROMPT`` entry (pre-RoPE K/V of
+every token, its token SimHash signatures as the extra ``"lsh"``) and added to the
+reference index (:class:`semkv.reuse.lsh.PromptIndex`, MinHash + banded LSH over
+token bigrams, persisted under ``<home>/share_index/``).
+
+Plan: find the most similar stored prompt in the index (refuse at once if none is
+similar enough: the plan is cheap when nothing similar exists), then match every
+new token to a reference token:
+
+1. aligned runs of identical token ids (n-gram anchors, the candidate nearest the
+   current alignment offset wins, runs are extended token by token);
+2. the same token id elsewhere in the reference (the nearest position);
+3. the nearest token signature (SimHash of embedding + position) if its bit
+   agreement reaches ``min_token_similarity``;
+4. otherwise unmatched.
+
+Below ``min_match_rate`` (share of tokens matched in aligned runs: the only matches
+whose context is the reference's) the path is refused with the reason.
+
+Prefill: the leading tokens identical to the reference's are exact and loaded as
+they are; the rest get the reference K/V gathered in the new order and re-rotated to
+their new positions (:meth:`Runtime.load_rows`), and one :meth:`Runtime.forward_rows`
+pass with the shared :class:`DeviationSelector` (the mechanism CacheBlend uses)
+recomputes layer 0 fully, unmatched tokens and the last token always, and from layer
+1 on the matched tokens whose fresh KV deviates most from the reused KV, a fraction
+that decays with depth (exponential by default, as in the paper; constant as an
+option). ``unmatched="drop"`` is the paper's "elimination" baseline: unmatched
+tokens are left out of the cache instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from semkv.models.cache import KVCache
+from semkv.prompt import PromptLayout
+from semkv.request import GenerateRequest
+from semkv.reuse.base import (
+    POST_PREFILL_HOOKS,
+    Plan,
+    PrefillContext,
+    PrefillOutcome,
+    Refusal,
+    register_path,
+)
+from semkv.reuse.lsh import (
+    IndexConfig,
+    PromptIndex,
+    SimHashConfig,
+    TokenHasher,
+    bit_agreement,
+    pack_bits,
+    unpack_bits,
+)
+from semkv.reuse.selective import DeviationOn, DeviationSelector
+from semkv.store.entry import KVEntry
+from semkv.store.keys import EntryKind, prompt_key
+
+log = logging.getLogger(__name__)
+
+UNMATCHED, ALIGNED, SAME_TOKEN, SIGNATURE = 0, 1, 2, 3
+LSH_EXTRA = "lsh"
+
+
+@dataclass
+class ShareConfig:
+    """Options of the share path (``engine.generate(..., share=ShareConfig(...))``).
+
+    min_tokens: prompts shorter than this are neither remembered nor served by sharing.
+    min_similarity: the index's estimated Jaccard similarity (token bigram sets) a reference needs.
+    min_match_rate: share of the new prompt's tokens matched in aligned runs a reference needs.
+    min_token_similarity: bit agreement a signature match needs (step 3 of the matching).
+    min_aligned_after_prefix: aligned tokens needed after the leading run identical to the reference;
+        fewer means exact prefix reuse does (nearly) as well, exactly, and share is refused.
+    anchor: length of the n-gram anchors that start an aligned run.
+    schedule: "exponential" (ratio first_ratio * decay^(layer-1), floored at min_ratio) or
+        "constant" (constant_ratio at every layer). Ratios are fractions of the reused rows
+        recomputed from layer 1 on; layer 0 is always recomputed fully.
+    deviation_on: which fresh-vs-reused deviation ranks the rows ("k", "v" or "kv").
+    unmatched: "recompute" (SemShareKV) or "drop" (the paper's elimination baseline).
+    candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
+    simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
+    """
+
+    min_tokens: int = 64
+    min_similarity: float = 0.2
+    min_match_rate: float = 0.5
+    min_token_similarity: float = 0.8
+    min_aligned_after_prefix: int = 32
+    anchor: int = 4
+    schedule: Literal["exponential", "constant"] = "exponential"
+    first_ratio: float = 0.3
+    decay: float = 0.85
+    min_ratio: float = 0.02
+    constant_ratio: float = 0.07
+    deviation_on: DeviationOn = "kv"
+    unmatched: Literal["recompute", "drop"] = "recompute"
+    candidates: int = 3
+    simhash: SimHashConfig = field(default_factory=SimHashConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.simhash, dict):
+            self.simhash = SimHashConfig(**self.simhash)
+        if self.min_tokens < 2:
+            raise ValueError(f"min_tokens must be >= 2, got {self.min_tokens}")
+        for name in ("min_similarity", "min_match_rate", "min_token_similarity", "first_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("min_ratio", "constant_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.schedule not in ("exponential", "constant"):
+            raise ValueError(f"schedule must be 'exponential' or 'constant', got {self.schedule!r}")
+        if self.unmatched not in ("recompute", "drop"):
+            raise ValueError(f"unmatched must be 'recompute' or 'drop', got {self.unmatched!r}")
+        if self.deviation_on not in ("k", "v", "kv"):
+            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+        if self.min_aligned_after_prefix < 0:
+            raise ValueError(f"min_aligned_after_prefix must be >= 0, got {self.min_aligned_after_prefix}")
+        if self.anchor < 1 or self.candidates < 1:
+            raise ValueError("anchor and candidates must be >= 1")
+
+    def ratios(self, num_layers: int) -> dict[int, float]:
+        """layer -> recompute ratio for layers 1..num_layers-1 (non-increasing)."""
+        if self.schedule == "constant":
+            return {layer: self.constant_ratio for layer in range(1, num_layers)}
+        return {
+            layer: max(self.min_ratio, self.first_ratio * self.decay ** (layer - 1))
+            for layer in range(1, num_layers)
+        }
+
+    def mean_recompute(self, num_layers: int) -> float:
+        """Expected share of reused-row layer passes recomputed (layer 0 counts fully)."""
+        return (1.0 + sum(self.ratios(num_layers).values())) / num_layers
+
+
+def share_config_of(request: GenerateRequest) -> ShareConfig:
+    config = getattr(request, "share", None)
+    return config if isinstance(config, ShareConfig) else ShareConfig()
+
+
+# -- matching (pure functions over token ids and signature bits) ------------------------------------
+@dataclass
+class TokenMatch:
+    """source: int64 [n] reference row of every new token (-1 = unmatched);
+    kind: int8 [n] (UNMATCHED / ALIGNED / SAME_TOKEN / SIGNATURE);
+    exact_prefix: leading tokens identical to the reference's at the same positions."""
+
+    source: np.ndarray
+    kind: np.ndarray
+    exact_prefix: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.source.size)
+
+    @property
+    def matched(self) -> int:
+        return int((self.kind != UNMATCHED).sum())
+
+    @property
+    def match_rate(self) -> float:
+        return self.matched / max(1, self.num_tokens)
+
+    @property
+    def aligned_rate(self) -> float:
+        return int((self.kind == ALIGNED).sum()) / max(1, self.num_tokens)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "aligned": int((self.kind == ALIGNED).sum()),
+            "same_token": int((self.kind == SAME_TOKEN).sum()),
+            "signature": int((self.kind == SIGNATURE).sum()),
+            "unmatched": int((self.kind == UNMATCHED).sum()),
+        }
+
+
+def exact_prefix_length(new_ids: list[int], ref_ids: list[int]) -> int:
+    n = min(len(new_ids), len(ref_ids))
+    a = np.asarray(new_ids[:n])
+    b = np.asarray(ref_ids[:n])
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else n
+
+
+def align_runs(new_ids: list[int], ref_ids: list[int], anchor: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Match tokens in runs of identical ids. Returns (source [n] with -1 for unmatched,
+    expected [n]: the reference position the current alignment predicts for each token).
+
+    A run starts at an n-gram (``anchor`` tokens) that also occurs in the reference —
+    the occurrence nearest the current alignment offset — and extends while the next
+    tokens agree. After a mismatch the offset is kept, so a substituted token does not
+    lose the alignment of the tokens after it.
+    """
+    n, m = len(new_ids), len(ref_ids)
+    anchors: dict[tuple[int, ...], list[int]] = {}
+    for j in range(m - anchor + 1):
+        anchors.setdefault(tuple(ref_ids[j : j + anchor]), []).append(j)
+    source = np.full(n, -1, dtype=np.int64)
+    expected = np.zeros(n, dtype=np.int64)
+    offset, i = 0, 0
+    next_j: int | None = 0
+    while i < n:
+        expected[i] = i + offset
+        if next_j is not None and 0 <= next_j < m and new_ids[i] == ref_ids[next_j]:
+            source[i] = next_j
+            i, next_j = i + 1, next_j + 1
+            continue
+        hits = anchors.get(tuple(new_ids[i : i + anchor])) if i + anchor <= n else None
+        if hits:
+            want = i + offset
+            at = bisect.bisect_left(hits, want)
+            j = min(hits[max(0, at - 1) : at + 1], key=lambda c: abs(c - want))
+            source[i : i + anchor] = np.arange(j, j + anchor)
+            expected[i : i + anchor] = np.arange(j, j + anchor)
+            offset = j - i
+            i, next_j = i + anchor, j + anchor
+            continue
+        i += 1
+        next_j = i + offset
+    return source, expected
+
+
+def match_same_token(
+    new_ids: list[int], ref_ids: list[int], source: np.ndarray, expected: np.ndarray
+) -> np.ndarray:
+    """For unmatched tokens: the reference occurrence of the same id nearest the expected position.
+    Returns a bool mask [n] of the tokens matched here (``source`` is filled in place)."""
+    where: dict[int, list[int]] = {}
+    for j, t in enumerate(ref_ids):
+        where.setdefault(t, []).append(j)
+    found = np.zeros(source.size, dtype=bool)
+    for i in np.flatnonzero(source < 0):
+        hits = where.get(new_ids[i])
+        if not hits:
+            continue
+        want = int(expected[i])
+        at = bisect.bisect_left(hits, want)
+        source[i] = min(hits[max(0, at - 1) : at + 1], key=lambda c: abs(c - want))
+        found[i] = True
+    return found
+
+
+def match_signatures(
+    new_bits: Tensor, ref_bits: Tensor, source: np.ndarray, min_similarity: float
+) -> np.ndarray:
+    """For unmatched tokens: the reference token with the most equal signature bits, if the
+    agreement reaches ``min_similarity``. new_bits [n, B], ref_bits [m, B] bool. Returns the
+    bool mask [n] of the tokens matched here (``source`` filled in place)."""
+    found = np.zeros(source.size, dtype=bool)
+    todo = np.flatnonzero(source < 0)
+    if todo.size == 0 or ref_bits.shape[0] == 0:
+        return found
+    agreement = bit_agreement(new_bits[torch.from_numpy(todo)], ref_bits)
+    best, where = agreement.max(dim=1)
+    ok = (best >= min_similarity).numpy()
+    source[todo[ok]] = where.numpy()[ok]
+    found[todo[ok]] = True
+    return found
+
+
+def match_tokens(
+    new_ids: list[int],
+    ref_ids: list[int],
+    new_bits: Tensor | None,
+    ref_bits: Tensor | None,
+    anchor: int = 4,
+    min_token_similarity: float = 0.8,
+) -> TokenMatch:
+    """Match every new token to a reference token (aligned runs, same id, nearest signature)."""
+    source, expected = align_runs(new_ids, ref_ids, anchor)
+    kind = np.where(source >= 0, ALIGNED, UNMATCHED).astype(np.int8)
+    kind[match_same_token(new_ids, ref_ids, source, expected)] = SAME_TOKEN
+    if new_bits is not None and ref_bits is not None:
+        kind[match_signatures(new_bits, ref_bits, source, min_token_similarity)] = SIGNATURE
+    return TokenMatch(source, kind, exact_prefix_length(new_ids, ref_ids))
+
+
+def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
+    """Rearrange reference KV [L, kvh, m, d] into the new order: [L, kvh, n, d]; rows whose
+    source is -1 are zero (they are recomputed or dropped)."""
+    out = kv.index_select(2, source.clamp_min(0))
+    missing = source < 0
+    if bool(missing.any()):
+        out[:, :, missing] = 0
+    return out
+
+
+# -- per-engine state: token hasher and reference index --------------------------------------------
+_HASHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_hasher(ctx: PrefillContext, config: SimHashConfig) -> TokenHasher:
+    """The hasher of ``config`` for this runtime (embedding centre = the vocabulary mean)."""
+    per_runtime = _HASHERS.setdefault(ctx.runtime, {})
+    key = tuple(sorted(asdict(config).items()))
+    if key not in per_runtime:
+        adapter = ctx.runtime.adapter
+        with torch.inference_mode():
+            center = (
+                adapter.embed(torch.arange(adapter.vocab_size, device=ctx.runtime.device)).float().mean(0)
+            )
+        per_runtime[key] = TokenHasher(config, adapter.hidden_size, center.cpu())
+    return per_runtime[key]
+
+
+def token_bits(ctx: PrefillContext, config: SimHashConfig, token_ids: list[int]) -> Tensor:
+    """Signature bits bool [T, tables * bits] of ``token_ids`` at positions 0..T-1."""
+    hasher = token_hasher(ctx, config)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=ctx.runtime.device)
+    with torch.inference_mode():
+        emb = ctx.runtime.adapter.embed(ids).float().cpu()
+    return hasher.bits(emb, torch.arange(len(token_ids)))
+
+
+def index_folder(ctx: PrefillContext) -> Path | None:
+    """``<home>/share_index/<fingerprint[:16]>`` when the store has a disk tier, else None."""
+    disk = ctx.store.tier("disk")
+    root = getattr(disk, "root", None)
+    if root is None:
+        return None
+    return Path(root).parent / "share_index" / ctx.fingerprint[:16]
+
+
+def share_index(ctx: PrefillContext) -> PromptIndex:
+    """The reference index of this context's store (created, or loaded from disk, on first use)."""
+    index = _INDEXES.get(ctx.store)
+    if index is None:
+        config = ctx.settings.get("share_index")
+        index = PromptIndex(config if isinstance(config, IndexConfig) else IndexConfig(), index_folder(ctx))
+        _INDEXES[ctx.store] = index
+    return index
+
+
+# -- remembering prompts ----------------------------------------------------------------------------
+def remember_prompt(
+    ctx: PrefillContext,
+    request: GenerateRequest,
+    layout: PromptLayout,
+    cache: KVCache,
+    outcome: PrefillOutcome,
+) -> None:
+    """POST_PREFILL_HOOK: store an exactly prefilled prompt's KV + token signatures; index it."""
+    config = share_config_of(request)
+    token_ids = layout.token_ids
+    if not outcome.exact or len(token_ids) < config.min_tokens:
+        return
+    key = prompt_key(ctx.fingerprint, token_ids)
+    index = share_index(ctx)
+    if not ctx.store.contains(key):
+        k, v = cache.export(0, len(token_ids))
+        bits = token_bits(ctx, config.simhash, token_ids)
+        entry = KVEntry(
+            key,
+            EntryKind.PROMPT,
+            ctx.fingerprint,
+            list(token_ids),
+            k,
+            v,
+            extras={LSH_EXTRA: pack_bits(bits, config.simhash.bits)},
+            meta={"simhash": asdict(config.simhash)},
+        )
+        ctx.store.put(entry)
+    if key not in index:
+        index.add(key, token_ids)
+
+
+def reference_bits(ctx: PrefillContext, config: SimHashConfig, entry: KVEntry) -> Tensor:
+    """The reference's signature bits: stored ones when hashed with ``config``, else re-hashed."""
+    stored = entry.extras.get(LSH_EXTRA)
+    if stored is not None and entry.meta.get("simhash") == asdict(config):
+        return unpack_bits(stored, config.bits)
+    return token_bits(ctx, config, entry.token_ids)
+
+
+# -- the path ------------------------------------------------------------------------------------------
+@dataclass
+class SharePlan(Plan):
+    reference: KVEntry
+    match: TokenMatch
+    config: ShareConfig
+    similarity: float
+    lookup_s: float
+    match_s: float
+
+
+class SharePath:
+    name = "share"
+
+    def plan(
+        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
+    ) -> SharePlan | Refusal:
+        config = share_config_of(request)
+        token_ids = layout.token_ids
+        if len(token_ids) < config.min_tokens:
+            return Refusal(self.name, f"prompt of {len(token_ids)} tokens < min_tokens {config.min_tokens}")
+        index = share_index(ctx)
+        if len(index) == 0:
+            return Refusal(self.name, "no stored prompt to share from")
+        start = time.perf_counter()
+        hits = index.query(index.signature(token_ids), top=config.candidates)
+        lookup_s = time.perf_counter() - start
+        if not hits or hits[0].similarity < config.min_similarity:
+            best = f"{hits[0].similarity:.3f}" if hits else "none shares a band"
+            return Refusal(
+                self.name,
+                f"no similar stored prompt (best similarity {best} < min_similarity {config.min_similarity};"
+                f" lookup {1000 * lookup_s:.2f} ms over {len(index)} prompts)",
+            )
+        reference, similarity = None, 0.0
+        for hit in hits:
+            if hit.similarity < config.min_similarity:
+                break
+            reference = ctx.store.get(hit.key, kind=EntryKind.PROMPT)
+            if reference is not None:
+                similarity = hit.similarity
+                break
+            log.info("share reference %s left the store; dropping it from the index", hit.key[:12])
+            index.remove(hit.key)
+        if reference is None:
+            return Refusal(self.name, "the similar stored prompts are no longer in the store")
+        start = time.perf_counter()
+        new_bits = token_bits(ctx, config.simhash, token_ids)
+        ref_bits = reference_bits(ctx, config.simhash, reference)
+        match = match_tokens(
+            token_ids, reference.token_ids, new_bits, ref_bits, config.anchor, config.min_token_similarity
+        )
+        match_s = time.perf_counter() - start
+        if match.aligned_rate < config.min_match_rate:
+            return Refusal(
+                self.name,
+                f"reference {reference.key[:16]} (similarity {similarity:.3f}): aligned match rate "
+                f"{match.aligned_rate:.3f} < min_match_rate {config.min_match_rate} "
+                f"(any match {match.match_rate:.3f})",
+            )
+        # Offer what is reused without recompute: the exact prefix, plus the matched tokens after
+        # it discounted by the expected recompute share, so an exact prefix hit that covers
+        # more wins under reuse="auto".
+        prefix = min(match.exact_prefix, len(token_ids) - 1)
+        aligned_after = int((match.kind[prefix:] == ALIGNED).sum())
+        if prefix < len(token_ids) - 1 and aligned_after < config.min_aligned_after_prefix:
+            return Refusal(
+                self.name,
+                f"only {aligned_after} tokens after the exact prefix of {prefix} tokens match in aligned "
+                f"runs (< min_aligned_after_prefix {config.min_aligned_after_prefix}; left to exact prefix reuse)",
+            )
+        rest = int((match.kind[prefix:-1] != UNMATCHED).sum())
+        reused = prefix + int(rest * (1.0 - config.mean_recompute(ctx.runtime.num_layers)))
+        return SharePlan(self.name, layout, reused, reference, match, config, similarity, lookup_s, match_s)
+
+    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+        assert isinstance(plan, SharePlan)
+        config, match, ref = plan.config, plan.match, plan.reference
+        token_ids = plan.layout.token_ids
+        n = len(token_ids)
+        prefix = min(match.exact_prefix, n - 1)
+        device = ctx.runtime.device
+        with ctx.store.pinned([ref.key]):
+            if prefix:
+                ctx.runtime.load_rows(
+                    cache,
+                    ref.k[:, :, :prefix],
+                    ref.v[:, :, :prefix],
+                    torch.arange(prefix),
+                    token_ids[:prefix],
+                )
+            rows = torch.arange(prefix, n)
+            source = torch.from_numpy(match.source[prefix:])
+            if config.unmatched == "drop":
+                keep = source >= 0
+                keep[-1] = True
+                rows, source = rows[keep], source[keep]
+            k = gather_rows(ref.k, source)
+            v = gather_rows(ref.v, source)
+            start = ctx.runtime.load_rows(cache, k, v, rows.to(device), [token_ids[int(i)] for i in rows])
+        forced = source < 0
+        forced[-1] = True
+        selector = DeviationSelector(
+            forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on
+        )
+        logits = ctx.runtime.forward_rows(cache, start, selector)
+        return self._outcome(logits, plan, selector, prefix, rows.numel(), ctx.runtime.num_layers)
+
+    def _outcome(
+        self,
+        logits: Tensor,
+        plan: SharePlan,
+        selector: DeviationSelector,
+        prefix: int,
+        computed: int,
+        num_layers: int,
+    ) -> PrefillOutcome:
+        """computed: rows that entered forward_rows (all of them pass layer 0)."""
+        n = plan.match.num_tokens
+        kept = [computed]
+        for layer in range(1, num_layers):
+            chosen = selector.chosen.get(layer)
+            kept.append(int(chosen.numel()) if chosen is not None else kept[-1])
+        recomputed = int(selector.recomputed_rows().numel())
+        # Exact only if no reused row survived past layer 0 (e.g. an identical prompt: only the
+        # last token is computed, on top of the exact prefix).
+        exact = plan.config.unmatched == "recompute" and all(k == computed for k in kept)
+        match = plan.match
+        info = {
+            "share_reference": plan.reference.key[:16],
+            "share_similarity": plan.similarity,
+            "share_match_rate": match.match_rate,
+            "share_aligned_rate": match.aligned_rate,
+            "share_matches": match.counts(),
+            "share_exact_prefix": prefix,
+            "share_forced": int(selector.forced.sum()),
+            "share_dropped": n - prefix - computed,
+            "share_layer_rows": kept,
+            "share_recompute_fraction": sum(kept) / (num_layers * n),
+            "share_lookup_ms": 1000 * plan.lookup_s,
+            "share_match_ms": 1000 * plan.match_s,
+            "share_schedule": plan.config.schedule,
+            "share_unmatched": plan.config.unmatched,
+        }
+        return PrefillOutcome(
+            logits,
+            self.name,
+            reused_tokens=n - recomputed,
+            recomputed_tokens=recomputed,
+            exact=exact,
+            info=info,
+        )
+
+
+register_path(SharePath())
+POST_PREFILL_HOOKS.append(remember_prompt)
