@@ -1,0 +1,206 @@
+"""Runtime overhead vs HF and exact prefix reuse: TTFT, decode speed, KV bytes, disk throughput.
+
+Everything is measured side by side in one run on the same inputs, warm-up excluded:
+* our full prefill vs the HF model's own forward on the same token ids (time ratio);
+* our decode ms/token vs HF ``generate`` with its own cache, at the same context;
+* prefix reuse: a long document asked a second question -> TTFT(full) / TTFT(prefix), answers identical;
+* KV bytes per token at rest, and the disk tier's write / read throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from semkv.bench.data import haystack
+from semkv.bench.report import median, write_results
+from semkv.store.entry import KVEntry
+from semkv.store.keys import EntryKind, chunk_key
+from semkv.store.tiers import DiskTier
+
+QUESTIONS = [
+    "What is the main argument of the text above? Answer in one sentence.",
+    "Name one example the author gives. Answer briefly.",
+    "What advice does the author give? Answer briefly.",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context-tokens", type=int, default=2048, help="document length for all measurements")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
+    p.add_argument("--decode-tokens", type=int, default=32)
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+@torch.inference_mode()
+def runtime_vs_hf(engine, ids: list[int], repeats: int, decode_tokens: int) -> dict[str, float]:
+    """Prefill and decode time of our runtime vs the HF model on the same ids (interleaved repeats)."""
+    model, runtime = engine.hf_model, engine.runtime
+    tensor = torch.tensor([ids])
+    ours_prefill, hf_prefill = [], []
+    model(tensor[:, :64])  # warm-up
+    runtime.prefill(runtime.new_cache(64), ids[:64])
+    for _ in range(repeats):
+        ours_prefill += _timed(lambda: runtime.prefill(runtime.new_cache(len(ids)), ids), 1)
+        hf_prefill += _timed(lambda: model(tensor), 1)
+
+    def hf_decode() -> float:
+        start = time.perf_counter()
+        model.generate(tensor, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(
+            tensor,
+            max_new_tokens=decode_tokens,
+            min_new_tokens=decode_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return (time.perf_counter() - start - first) / (decode_tokens - 1)
+
+    def ours_decode() -> float:
+        cache = runtime.new_cache(len(ids) + decode_tokens)
+        token = int(runtime.prefill(cache, ids).argmax())
+        start = time.perf_counter()
+        for _ in range(decode_tokens - 1):
+            token = int(runtime.decode(cache, token).argmax())
+        return (time.perf_counter() - start) / (decode_tokens - 1)
+
+    hf_dec, ours_dec = [], []
+    for _ in range(max(1, repeats // 2)):
+        hf_dec.append(hf_decode())
+        ours_dec.append(ours_decode())
+    return {
+        "prefill_ours_s": median(ours_prefill),
+        "prefill_hf_s": median(hf_prefill),
+        "prefill_ratio_ours_over_hf": median(ours_prefill) / median(hf_prefill),
+        "decode_ours_ms_per_token": 1000 * median(ours_dec),
+        "decode_hf_ms_per_token": 1000 * median(hf_dec),
+        "decode_ratio_ours_over_hf": median(ours_dec) / median(hf_dec),
+    }
+
+
+def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
+    """TTFT of full prefill vs prefix reuse for follow-up questions on one document."""
+    rows = []
+    engine.generate(prompt=document + "\n\n" + QUESTIONS[0], max_new_tokens=1)  # stores the document's blocks
+    for question in tqdm(QUESTIONS[1:], desc="prefix reuse", leave=False):
+        prompt = document + "\n\n" + question
+        full, reused = [], []
+        for _ in range(repeats):
+            full.append(engine.generate(prompt=prompt, max_new_tokens=24, reuse="none", store_prompt=False))
+            reused.append(
+                engine.generate(prompt=prompt, max_new_tokens=24, reuse="prefix", store_prompt=False)
+            )
+        ttft_full = median([g.stats["ttft_s"] for g in full])
+        ttft_prefix = median([g.stats["ttft_s"] for g in reused])
+        rows.append(
+            {
+                "question": question,
+                "prompt_tokens": full[0].stats["prompt_tokens"],
+                "reused_tokens": reused[0].stats["reused_tokens"],
+                "ttft_full_s": ttft_full,
+                "ttft_prefix_s": ttft_prefix,
+                "speedup": ttft_full / ttft_prefix,
+                "answers_identical": all(
+                    f.token_ids == r.token_ids for f, r in zip(full, reused, strict=True)
+                ),
+                "answer": reused[0].text,
+            }
+        )
+    return rows
+
+
+def disk_throughput(engine, ids: list[int]) -> dict[str, float]:
+    """Write and read the KV of ``ids`` as 64-token entries through a fresh disk tier."""
+    cache = engine.runtime.new_cache(len(ids))
+    engine.runtime.prefill(cache, ids)
+    entries = []
+    for start in range(0, len(ids) - 63, 64):
+        k, v = cache.export(start, start + 64)
+        tokens = ids[start : start + 64]
+        entries.append(
+            KVEntry(chunk_key(engine.fingerprint, tokens), EntryKind.CHUNK, engine.fingerprint, tokens, k, v)
+        )
+    folder = Path(tempfile.mkdtemp(prefix="semkv-disk-bench-"))
+    try:
+        tier = DiskTier(folder)
+        start = time.perf_counter()
+        for e in entries:
+            tier.put(e)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for e in entries:
+            assert tier.get(e.key) is not None
+        read_s = time.perf_counter() - start
+        total = tier.stats.bytes_written
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "kv_bytes_per_token": cache.nbytes() / cache.length,
+        "disk_entries": len(entries),
+        "disk_write_MBps": total / write_s / 1e6,
+        "disk_read_MBps": total / read_s / 1e6,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from semkv.config import StoreConfig
+    from semkv.engine import Engine
+
+    # memory-only store: earlier runs cannot pre-warm the measurement
+    engine = Engine.from_pretrained(
+        args.model,
+        home=args.home,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        threads=args.threads,
+        store=StoreConfig(disk=False),
+    )
+    tokenizer = engine.tokenizer
+    document = haystack(tokenizer, args.context_tokens - 120, start_essay=3)
+    ids = tokenizer(haystack(tokenizer, args.context_tokens), add_special_tokens=False)["input_ids"]
+    progress = tqdm(total=3, desc="bench prefix")
+    overhead = runtime_vs_hf(engine, ids, args.repeats, args.decode_tokens)
+    progress.update()
+    reuse_rows = prefix_reuse(engine, document, args.repeats)
+    progress.update()
+    storage = disk_throughput(engine, ids)
+    progress.update()
+    progress.close()
+    summary = {**overhead, **storage, "context_tokens": len(ids), "threads": torch.get_num_threads()}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
+    notes = "## Runtime vs HF and storage\n\n" + "\n".join(
+        f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
+    )
+    write_results(args.out, "prefix", reuse_rows, config, extra={"summary": summary}, notes=notes)
+    print(
+        f"prefill ours/HF = {overhead['prefill_ratio_ours_over_hf']:.3f}  "
+        f"decode ours/HF = {overhead['decode_ratio_ours_over_hf']:.3f}  "
+        f"({overhead['decode_ours_ms_per_token']:.1f} vs {overhead['decode_hf_ms_per_token']:.1f} ms/token)"
+    )
+    for row in reuse_rows:
+        print(
+            f"prefix reuse: {row['prompt_tokens']} tokens, TTFT {row['ttft_full_s']:.3f}s -> "
+            f"{row['ttft_prefix_s']:.3f}s ({row['speedup']:.1f}x), identical={row['answers_identical']}"
+        )
+    print(
+        f"KV {summary['kv_bytes_per_token']:.0f} B/token; disk write {summary['disk_write_MBps']:.0f} MB/s, "
+        f"read {summary['disk_read_MBps']:.0f} MB/s"
+    )
+    print(f"results in {args.out}/prefix.json and prefix.md")
+    return 0

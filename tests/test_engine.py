@@ -1,0 +1,105 @@
+"""Engine pipeline: prefix reuse is exact and persists; bad input fails clearly and stores nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import TINY_FAMILIES
+from semkv.engine import Engine
+
+DOC = " ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(40))
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_prefix_reuse_gives_identical_output(make_tiny_engine, family):
+    engine = make_tiny_engine(family, kv_dtype="float32", block_size=4)
+    full = engine.generate(prompt=DOC + " First question?", max_new_tokens=12, reuse="none", stop_at_eos=False)
+    assert full.stats["path"] == "full" and full.stats["reused_tokens"] == 0
+    again = engine.generate(prompt=DOC + " Second question?", max_new_tokens=12, reuse="auto", stop_at_eos=False)
+    assert again.stats["path"] == "prefix" and again.stats["reused_tokens"] > 0
+    baseline = engine.generate(prompt=DOC + " Second question?", max_new_tokens=12, reuse="none",
+                               stop_at_eos=False, store_prompt=False)
+    assert again.token_ids == baseline.token_ids
+    assert (again.first_logits - baseline.first_logits).abs().max() < 1e-4
+
+
+def test_fully_cached_prompt_still_computes_last_token(make_tiny_engine):
+    engine = make_tiny_engine("llama", block_size=1)
+    first = engine.generate(prompt=DOC, max_new_tokens=4, stop_at_eos=False)
+    second = engine.generate(prompt=DOC, max_new_tokens=4, stop_at_eos=False)
+    assert second.stats["reused_tokens"] == second.stats["prompt_tokens"] - 1
+    assert second.stats["recomputed_tokens"] == 1
+    assert second.token_ids == first.token_ids
+
+
+def test_fp16_kv_reuse_is_bit_identical(make_tiny_engine):
+    """With KV at rest in fp16, live attention also sees fp16-rounded KV: reuse == recompute."""
+    engine = make_tiny_engine("qwen2", kv_dtype="float16", block_size=4)
+    engine.generate(prompt=DOC + " A?", max_new_tokens=2)
+    reused = engine.generate(prompt=DOC + " B?", max_new_tokens=8, stop_at_eos=False)
+    fresh = engine.generate(prompt=DOC + " B?", max_new_tokens=8, reuse="none", stop_at_eos=False, store_prompt=False)
+    assert reused.stats["path"] == "prefix"
+    assert reused.token_ids == fresh.token_ids
+    assert (reused.first_logits - fresh.first_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "hi", "reuse": "bogus"}, "unknown reuse mode"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "hi", "max_new_tokens": 10**9}, "max_new_tokens"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+        ({"prompt": None}, "exactly one"),
+        ({"prompt": "word " * 3000}, "exceeds the model's context"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_stores_nothing(make_tiny_engine, options, message):
+    engine = make_tiny_engine("llama")
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**options)
+    assert engine.store.stats.puts == 0
+    assert list(engine.store.tier("disk").keys()) == []
+
+
+def test_missing_and_unsupported_model_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an embedded model"):
+        Engine.from_pretrained(str(tmp_path / "nope"), home=tmp_path)
+    folder = tmp_path / "weird"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'.*llama"):
+        Engine.from_pretrained(str(folder), home=tmp_path)
+
+
+@pytest.mark.real_model
+def test_prefix_reuse_persists_across_processes(tmp_path, make_smol_engine):
+    """A second process reuses the blocks the first wrote to disk, and answers identically."""
+    home = tmp_path / "shared-home"
+    engine = make_smol_engine(kv_dtype="float16", home=home)
+    question = DOC + "\n\nWhich topic does sentence 3 talk about?"
+    first = engine.generate(prompt=question, max_new_tokens=8)
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from semkv.config import EngineConfig, default_home
+        from semkv.engine import Engine
+        from semkv.models.loader import load_model
+        m = load_model("smollm2-135m", default_home())
+        e = Engine(EngineConfig(home={str(home)!r}, kv_dtype="float16"), m.hf_model, m.tokenizer)
+        g = e.generate(prompt={question!r}, max_new_tokens=8)
+        print(json.dumps({{"path": g.stats["path"], "reused": g.stats["reused_tokens"], "ids": g.token_ids}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    result = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    assert result["path"] == "prefix"
+    n = first.stats["prompt_tokens"]
+    assert result["reused"] == min(n // 16 * 16, n - 1)
+    assert result["ids"] == first.token_ids
