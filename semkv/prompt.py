@@ -56,6 +56,15 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
+def _adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer itself puts BOS first (``add_bos_token`` is unreliable: Gemma's reads False)."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == bos_id
+
+
 def build_layout(
     tokenizer,
     prompt: str | None = None,
@@ -92,7 +101,7 @@ def build_layout(
             raise ValueError("the chat template does not render the user content verbatim")
         prefix_text, suffix_text = rendered.split(SENTINEL)
     else:
-        bos = getattr(tokenizer, "bos_token", None) if getattr(tokenizer, "add_bos_token", False) else None
+        bos = getattr(tokenizer, "bos_token", None) if _adds_bos(tokenizer) else None
         prefix_text, suffix_text = (bos or ""), ""
     segments = [Segment("template", prefix_text, _tokenize(tokenizer, prefix_text))]
     for chunk in chunks:

@@ -15,7 +15,7 @@ from semkv.config import EngineConfig, StoreConfig, default_home
 from semkv.engine import Engine
 from semkv.models.loader import LoadedModel, load_model
 
-TINY_FAMILIES = ["llama", "qwen2", "mistral"]
+TINY_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text"]
 
 
 @pytest.fixture(scope="session")
@@ -52,13 +52,23 @@ def tiny_hf_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> t
         common["attention_bias"] = True  # Qwen2 has q/k/v biases
     if family == "mistral":
         common["sliding_window"] = None
+    if family == "gemma3_text":
+        # both layer types, a short window, MQA, q/k norms, scalar != head_dim, softcap
+        common.update(
+            num_key_value_heads=1,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_local_base_freq=100.0,
+        )
     common.update(overrides)
     config = AutoConfig.for_model(family, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # give biases non-zero values so they are exercised
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or (family == "gemma3_text" and "norm" in name):
                 p.normal_(0, 0.1)
     return model.eval()
 

