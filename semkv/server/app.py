@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv import __version__ as semkv_version
 from semkv.request import GenerateRequest
 from semkv.server.documents import Document, DocumentRegistry
-from semkv.server.errors import APIError, error_body, install_error_handlers
+from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers
 from semkv.server.metrics import ServerMetrics
 from semkv.server.schemas import (
     ChatCompletionRequest,
@@ -324,7 +324,7 @@ class MetricsMiddleware:
         try:
             length = dict(scope.get("headers") or []).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.state.config.max_body_bytes:
-                response = JSONResponse(
+                response = SafeJSONResponse(
                     error_body(
                         413, f"request body over {self.state.config.max_body_bytes} bytes", None, "too_large"
                     ),

@@ -7,6 +7,7 @@ client always gets JSON it can parse, and the status tells whose fault it was.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -49,14 +50,29 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class SafeJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error may quote client input, which can hold lone surrogates."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return SafeJSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+# Union members pydantic names in error locations ("prompt.list[str].0"); not part of the parameter's path.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "constrained-str"}
 
 
 def _loc_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))
+    ]
     return ".".join(parts) or None
 
 
@@ -76,7 +92,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return SafeJSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from semkv.request import MAX_NEW_TOKENS_LIMIT
 
@@ -26,7 +26,18 @@ MAX_CONTEXT_ITEMS = 64
 MAX_STOP = 4
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
-NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+def _unicode(text: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"); they are not text and tokenizers reject them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode ({exc.reason} at position {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1), AfterValidator(_unicode)]
 
 
 class _Strict(BaseModel):
@@ -40,7 +51,7 @@ class SemkvExtension(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     documents: list[NonEmptyStr] = Field(default_factory=list, max_length=MAX_CONTEXT_ITEMS)
-    chunks: list[str] = Field(default_factory=list, max_length=MAX_CONTEXT_ITEMS)
+    chunks: list[Text] = Field(default_factory=list, max_length=MAX_CONTEXT_ITEMS)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -54,7 +65,7 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: Text
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
@@ -65,7 +76,7 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
-    user: str | None = None
+    user: Text | None = None
     semkv: SemkvExtension | None = None
 
     @field_validator("stop")
@@ -89,7 +100,7 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``prompt``: one string or a list of strings (one choice each)."""
 
-    prompt: str | list[str] = Field(..., description="a string or a list of strings")
+    prompt: Text | list[Text] = Field(..., description="a string or a list of strings")
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     echo: bool = Field(False, description="not supported")
     logprobs: int | None = Field(None, ge=0, le=0, description="not supported")
@@ -117,13 +128,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def as_engine_message(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
