@@ -62,6 +62,8 @@ class Tier(Protocol):
 class MemoryTier:
     """In-process LRU under a byte budget. Pinned entries (refcount > 0) are never evicted.
 
+    Prefix blocks are evicted leaf first: touching a block also touches its ancestors.
+
     An entry that cannot fit without evicting pinned ones is not admitted
     (``put`` returns False): the tier is a cache and the tiers below still hold it.
     """
@@ -82,7 +84,7 @@ class MemoryTier:
             if entry is None:
                 self.stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            self._touch(entry)
             self.stats.hits += 1
             self.stats.bytes_read += entry.nbytes
             return entry
@@ -90,7 +92,7 @@ class MemoryTier:
     def put(self, entry: KVEntry) -> bool:
         with self._lock:
             if entry.key in self._entries:
-                self._entries.move_to_end(entry.key)
+                self._touch(self._entries[entry.key])
                 return True
             size = entry.nbytes
             if size > self.budget_bytes:
@@ -98,10 +100,23 @@ class MemoryTier:
             if not self._make_room(size):
                 return False
             self._entries[entry.key] = entry
+            self._touch(entry)
             self._bytes += size
             self.stats.writes += 1
             self.stats.bytes_written += size
             return True
+
+    def _touch(self, entry: KVEntry) -> None:
+        """Mark ``entry`` and then its resident ancestors most recently used.
+
+        A prefix block is useless without the blocks before it, so ancestors stay more
+        recent than their descendants and eviction takes the leaves of a chain first.
+        """
+        self._entries.move_to_end(entry.key)
+        parent, seen = entry.parent, 0
+        while parent is not None and parent in self._entries and seen < len(self._entries):
+            self._entries.move_to_end(parent)
+            parent, seen = self._entries[parent].parent, seen + 1
 
     def _make_room(self, size: int) -> bool:
         """Evict least-recently-used unpinned entries until ``size`` more bytes fit."""
@@ -143,6 +158,11 @@ class MemoryTier:
                 del self._pins[key]
             else:
                 self._pins[key] = count - 1
+
+    def peek(self, key: EntryKey) -> KVEntry | None:
+        """The resident entry under ``key`` without touching LRU order or counters (for checks)."""
+        with self._lock:
+            return self._entries.get(key)
 
     def pin_count(self, key: EntryKey) -> int:
         return self._pins.get(key, 0)
