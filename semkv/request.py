@@ -39,6 +39,7 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt= or messages=")
+        _check_inputs(self.prompt, self.messages, self.chunks)
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValueError(f"prompt must be a str, got {type(self.prompt).__name__}")
         if self.prompt is not None and not self.prompt.strip() and not self.chunks:
@@ -60,6 +61,10 @@ class GenerateRequest:
                 raise ValueError(f"share must be a ShareConfig or a dict, got {type(self.share).__name__}")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"unknown reuse mode {self.reuse!r}; choose one of {', '.join(REUSE_MODES)}")
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -79,3 +84,46 @@ class Generation:
     token_ids: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
     first_logits: Any = None
+
+
+def _check_text(name: str, value: object) -> None:
+    """A str that is valid Unicode text (no lone surrogates, e.g. from undecodable bytes)."""
+    if isinstance(value, (bytes, bytearray)):
+        raise ValueError(f"{name} must be text (str), got bytes; decode it first, e.g. data.decode('utf-8')")
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid Unicode text: character {exc.object[exc.start]!r} at position {exc.start} "
+            "(bytes that were not UTF-8?)"
+        ) from None
+
+
+def _check_inputs(prompt: object, messages: object, chunks: object) -> None:
+    if prompt is not None:
+        _check_text("prompt", prompt)
+    if messages is not None:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+                raise ValueError(
+                    f"messages[{i}] must be a dict with 'role' and 'content', got {message!r:.80}"
+                )
+            if message.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(
+                    f"messages[{i}] has role {message.get('role')!r}; use system, user or assistant"
+                )
+            _check_text(f"messages[{i}]['content']", message.get("content"))
+    if chunks is not None and not isinstance(chunks, (str, bytes)):
+        if not isinstance(chunks, Sequence):
+            raise ValueError(f"chunks must be a list of strings, got {type(chunks).__name__}")
+        for i, chunk in enumerate(chunks):
+            _check_text(f"chunks[{i}]", chunk)
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
