@@ -98,7 +98,7 @@ def resolve_checkpoint(model: str, home: Path, models_dir: Path | None = None) -
         gguf = EMBEDDED[model].locate_gguf(home)
         target = (Path(models_dir) if models_dir is not None else home / "models") / model
         marker = target / CONVERTED_MARKER
-        fresh = marker.exists() and json.loads(marker.read_text()).get("size") == gguf.stat().st_size
+        fresh = _marker_size(marker) == gguf.stat().st_size
         if not fresh:
             _convert_gguf(gguf, target)
         return target
@@ -110,6 +110,27 @@ def resolve_checkpoint(model: str, home: Path, models_dir: Path | None = None) -
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json; is it a Hugging Face checkpoint?")
     return path
+
+
+def _marker_size(marker: Path) -> int | None:
+    """Source size recorded by a finished conversion; None if absent or damaged (then convert again)."""
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("size") if isinstance(record, dict) else None
+
+
+def read_model_config(path: Path) -> dict:
+    """``path/config.json`` as a dict; a clear error naming the file if it is unreadable or not an object."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the model config {file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"the model config {file} is not a JSON object")
+    return config
 
 
 def _tokenizer_digest(tokenizer) -> str:
@@ -165,7 +186,7 @@ def load_model(model: str, home: Path, models_dir: Path | None = None) -> Loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(model, home, models_dir)
-    config = json.loads((path / "config.json").read_text())
+    config = read_model_config(path)
     model_type = config.get("model_type", "<missing>")
     adapter_for(model_type)  # clear error before loading weights
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
