@@ -31,16 +31,30 @@ def _engine(args: argparse.Namespace):
     )
 
 
+def _read_text_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    chunks = [Path(p).read_text(encoding="utf-8") for p in args.chunk_file]
-    g = engine.generate(
+    from semkv.request import GenerateRequest
+
+    chunks = [_read_text_file(p) for p in args.chunk_file]
+    options = dict(
         prompt=args.prompt,
         chunks=chunks,
         max_new_tokens=args.max_new_tokens,
         reuse=args.reuse,
         temperature=args.temperature,
     )
+    GenerateRequest(**options)  # bad input fails here, before the model loads
+    engine = _engine(args)
+    try:
+        g = engine.generate(**options)
+    finally:
+        engine.close()  # records the store's hit counters for `semkv cache stats`
     print(g.text)
     print(json.dumps({k: v for k, v in g.stats.items()}, indent=2, default=str), file=sys.stderr)
     return 0
@@ -108,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError) as exc:
+    except (ValueError, OSError) as exc:  # bad input or an unusable file/folder: a message, no traceback
         print(f"semkv: error: {exc}", file=sys.stderr)
         return 2
 
