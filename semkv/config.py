@@ -46,7 +46,11 @@ class StoreConfig:
     redis_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.memory_bytes < 0:
+        for name in ("memory_bytes", "disk_bytes", "redis_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.memory_bytes is None or self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
         if self.disk_bytes is not None and self.disk_bytes <= 0:
             raise ValueError(f"disk_bytes must be positive or None, got {self.disk_bytes}")
@@ -80,7 +84,9 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be an int in [1, 4096], got {self.block_size!r}")
-        if self.threads is not None and self.threads < 1:
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.home = Path(self.home).expanduser() if self.home is not None else default_home()
         self.models_dir = Path(self.models_dir).expanduser() if self.models_dir is not None else None
