@@ -87,7 +87,7 @@ class EngineConfig:
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+            raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
         self.home = Path(self.home).expanduser() if self.home is not None else default_home()
         self.models_dir = Path(self.models_dir).expanduser() if self.models_dir is not None else None
 
