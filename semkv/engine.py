@@ -21,6 +21,8 @@ from semkv.prompt import PromptLayout, build_layout
 from semkv.request import GenerateRequest, Generation
 from semkv.reuse import POST_PREFILL_HOOKS, REUSE_PATHS, Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.prefix import store_prefix
+from semkv.sparse import SparseDecoder
+from semkv.sparse.session import decoder_for, prefill_capture
 from semkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -148,13 +150,15 @@ class Engine:
         start = time.perf_counter()
         plan, refusals = self.plan(request, layout)
         cache = self.runtime.new_cache(len(prompt_ids) + request.max_new_tokens)
-        outcome = REUSE_PATHS[plan.path].prefill(self.ctx, plan, cache)
+        sparse = decoder_for(request.sparse, request.kv_budget, self.config.block_size)
+        with prefill_capture(sparse, self.runtime, cache):
+            outcome = REUSE_PATHS[plan.path].prefill(self.ctx, plan, cache)
         generator = torch.Generator().manual_seed(request.seed)
         token = sample_token(outcome.logits, request.temperature, request.top_p, generator)
         ttft = time.perf_counter() - start
         stopped = self._emit(on_token, token, request)  # before storing: streaming TTFT excludes the store
         store_s = self._after_prefill(request, layout, cache, outcome)
-        generated, decode_s = self._decode(cache, token, request, generator, on_token, stopped)
+        generated, decode_s = self._decode(cache, token, request, generator, on_token, stopped, sparse)
         stats = {
             "ttft_s": ttft,
             "decode_s": decode_s,
@@ -167,6 +171,7 @@ class Engine:
             "path": outcome.path,
             "refused": {r.path: r.reason for r in refusals},
             **outcome.info,
+            **(sparse.stats(decode_s) if sparse is not None else {}),
         }
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         return Generation(text=text, token_ids=generated, stats=stats, first_logits=outcome.logits)
@@ -199,6 +204,7 @@ class Engine:
         generator: torch.Generator,
         on_token: Callable[[int], bool | None] | None = None,
         stopped: bool = False,
+        sparse: SparseDecoder | None = None,
     ) -> tuple[list[int], float]:
         generated = [first]
         start = time.perf_counter()
@@ -208,10 +214,12 @@ class Engine:
             and len(generated) < request.max_new_tokens
             and not (request.stop_at_eos and token in self.eos_ids)
         ):
-            logits = self.runtime.decode(cache, token)
+            logits = self.runtime.decode(cache, token, sparse)
             token = sample_token(logits, request.temperature, request.top_p, generator)
             generated.append(token)
             stopped = self._emit(on_token, token, request)
+        if sparse is not None:
+            sparse.finish()
         if request.stop_at_eos and generated and generated[-1] in self.eos_ids:
             generated.pop()
         return generated, time.perf_counter() - start

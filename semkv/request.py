@@ -34,6 +34,8 @@ class GenerateRequest:
     seed: int = 0
     stop_at_eos: bool = True
     store_prompt: bool = True  # keep this prompt's KV in the store for later requests
+    sparse: Any = None  # sparse decode policy: None/"dense", a name in semkv.sparse.POLICIES, or a SparsePolicy
+    kv_budget: float | int = 0.1  # sparse decode: blocks per step, a fraction of the context or a token count
     share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
 
     def __post_init__(self) -> None:
@@ -59,6 +61,9 @@ class GenerateRequest:
             self.share = ShareConfig(**self.share) if isinstance(self.share, dict) else self.share
             if not isinstance(self.share, ShareConfig):
                 raise ValueError(f"share must be a ShareConfig or a dict, got {type(self.share).__name__}")
+        from semkv.sparse import SparsePolicy, validate_sparse  # lazy, like share/blend above
+
+        validate_sparse(None if isinstance(self.sparse, SparsePolicy) else self.sparse, self.kv_budget)
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"unknown reuse mode {self.reuse!r}; choose one of {', '.join(REUSE_MODES)}")
         _check_number("temperature", self.temperature)

@@ -57,6 +57,16 @@ class KeySelector(Protocol):
         ...
 
 
+class KeyGatherer(Protocol):
+    """Supplies, per layer of a decode step, the keys to attend to (e.g. from a fast tier)."""
+
+    def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
+        """q_rot: [nh, 1, d]. Return (keys [kvh, R, d] rotated, values [kvh, R, d], positions [R]),
+        the new token's own row included, or None for every row. Called after the new row is
+        written at this layer."""
+        ...
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -222,13 +232,17 @@ class Runtime:
         return self.forward_rows(cache, start)
 
     @torch.inference_mode()
-    def decode(self, cache: KVCache, token_id: int, key_selector: KeySelector | None = None) -> Tensor:
+    def decode(
+        self, cache: KVCache, token_id: int, key_selector: KeySelector | KeyGatherer | None = None
+    ) -> Tensor:
         """Append one token at the next position and return its logits [V].
 
         With a ``key_selector`` each layer attends only to the rows it returns (plus
-        the new row itself); without one, to every row.
+        the new row itself); without one, to every row. A :class:`KeyGatherer` (it has
+        ``gather``) instead hands over the keys, values and positions to attend to.
         """
         a = self.adapter
+        gather = getattr(key_selector, "gather", None)  # a KeyGatherer supplies the keys itself
         position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
         row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
         pos = cache.positions[row : row + 1]
@@ -242,10 +256,15 @@ class Runtime:
             )
             q_rot = apply_rope(q, cos, sin)
             keys, values, k_pos = cache.keys(layer), cache.values(layer), cache.valid_positions()
-            chosen = key_selector.rows(layer, q_rot, cache) if key_selector is not None else None
-            if chosen is not None:
-                chosen = torch.cat([chosen[chosen != row], chosen.new_tensor([row])])
-                keys, values, k_pos = keys[:, chosen], values[:, chosen], k_pos[chosen]
+            if gather is not None:
+                picked = gather(layer, q_rot, cache)
+                if picked is not None:
+                    keys, values, k_pos = picked
+            elif key_selector is not None:
+                chosen = key_selector.rows(layer, q_rot, cache)
+                if chosen is not None:
+                    chosen = torch.cat([chosen[chosen != row], chosen.new_tensor([row])])
+                    keys, values, k_pos = keys[:, chosen], values[:, chosen], k_pos[chosen]
             out = attention(q_rot, keys, values, pos, k_pos, a.scaling(layer), a.window(layer))
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)[0]

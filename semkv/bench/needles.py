@@ -1,0 +1,105 @@
+"""Needle-in-a-haystack tasks over Paul Graham essays: passkey and multi-fact retrieval.
+
+Each case is seeded: the essay the haystack starts from, the needle's depth and its
+answer come from ``random.Random(seed)``. The prompt keeps the usual passkey preamble
+(DESIGN.md: SmolLM2 solves far more cases with it) and ends with the answer's lead-in
+so the answer is the first few generated tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from semkv.bench.data import essays, haystack
+
+TASKS = ("passkey", "multifact")
+
+PASSKEY_PREAMBLE = (
+    "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key there.\n\n"
+)
+FACT_PREAMBLE = (
+    "Some secret codes are hidden inside a lot of irrelevant text. Find them and memorize them. "
+    "I will quiz you about one of them.\n\n"
+)
+COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "silver", "golden")
+
+
+@dataclass
+class NeedleCase:
+    """One retrieval case: a prompt, the expected answer and where the needle sits.
+
+    depth: position of the (asked) needle as a fraction of the haystack.
+    needle_text: the sentence holding the answer (to locate its tokens).
+    """
+
+    task: str
+    length: int
+    seed: int
+    depth: float
+    prompt: str
+    answer: str
+    needle_text: str
+
+
+def _insert(text: str, sentence: str, depth: float) -> str:
+    """Insert ``sentence`` at the sentence boundary nearest ``depth`` (fraction of characters)."""
+    at = int(len(text) * depth)
+    cut = text.rfind(". ", 0, at)
+    cut = cut + 2 if cut >= 0 else 0
+    return text[:cut] + sentence + " " + text[cut:]
+
+
+def make_case(tokenizer, task: str, length: int, seed: int, depth: float) -> NeedleCase:
+    """A case whose prompt is about ``length`` tokens (haystack + preamble + question)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown needle task {task!r}; choose one of {TASKS}")
+    rng = random.Random(seed)
+    start = rng.randrange(len(essays()))
+    body = haystack(tokenizer, max(64, length - 160), start_essay=start)
+    if task == "passkey":
+        answer = str(rng.randrange(10000, 100000))
+        needle = f"The pass key is {answer}. Remember it. {answer} is the pass key."
+        text = PASSKEY_PREAMBLE + _insert(body, needle, depth)
+        prompt = text + "\n\nWhat is the pass key? The pass key is"
+    else:
+        colours = rng.sample(COLOURS, 3)
+        codes = [str(rng.randrange(1000, 10000)) for _ in colours]
+        asked = rng.randrange(3)
+        depths = [depth if i == asked else rng.uniform(0.05, 0.95) for i in range(3)]
+        for colour, code, where in sorted(zip(colours, codes, depths, strict=True), key=lambda x: -x[2]):
+            body = _insert(body, f"The secret code of the {colour} door is {code}.", where)
+        answer, needle = codes[asked], f"The secret code of the {colours[asked]} door is {codes[asked]}."
+        prompt = FACT_PREAMBLE + body + f"\n\nWhat is the secret code of the {colours[asked]} door? It is"
+    return NeedleCase(task, length, seed, depth, prompt, answer, needle)
+
+
+def make_cases(tokenizer, length: int, count: int, seed: int = 0) -> list[NeedleCase]:
+    """``count`` cases at ``length`` tokens: tasks alternate, depths spread evenly over (0.05, 0.95)."""
+    cases = []
+    for i in range(count):
+        depth = 0.05 + 0.9 * ((i * 7) % count + 0.5) / count  # spread, not in index order
+        cases.append(make_case(tokenizer, TASKS[i % len(TASKS)], length, seed * 100003 + length + i, depth))
+    return cases
+
+
+def find_subsequence(haystack_ids: list[int], needle_ids: list[int]) -> list[int]:
+    """Start indices of every occurrence of ``needle_ids`` in ``haystack_ids``."""
+    n = len(needle_ids)
+    if n == 0:
+        return []
+    first = needle_ids[0]
+    return [i for i, t in enumerate(haystack_ids) if t == first and haystack_ids[i : i + n] == needle_ids]
+
+
+def answer_rows(tokenizer, prompt_ids: list[int], answer: str) -> list[int]:
+    """Prompt rows holding the answer's tokens (every occurrence; the question never contains it)."""
+    rows: list[int] = []
+    for variant in (answer, " " + answer):
+        ids = tokenizer(variant, add_special_tokens=False)["input_ids"]
+        for start in find_subsequence(prompt_ids, ids):
+            rows.extend(range(start, start + len(ids)))
+        if rows:
+            break
+    return sorted(set(rows))

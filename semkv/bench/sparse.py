@@ -1,0 +1,399 @@
+"""Sparse decode: needle retrieval accuracy, oracle overlap, speed and KV movement per policy and budget.
+
+Passkey and multi-fact retrieval in Paul Graham essays at several context lengths,
+needles at several depths (seeded). Every case is prefilled ONCE (the prompt's
+queries captured for SnapKV/H2O); dense decoding and every policy x budget then decode
+from copies of that cache, in the same process, one thread, so ms/token ratios compare
+like with like. Per policy and budget: accuracy (beside dense on the same cases and on
+the cases dense solves), agreement with dense tokens, overlap of the selected blocks
+with the true-attention top-k (per layer, and the seed's layer-averaged form), decode
+ms/token and its ratio to dense, selection share of the step, resident KV bytes and
+blocks loaded per step. The seed's ablation runs Key-Key variants at one budget, and a
+heat map per case shows, per decode step and block, what Key-Key selected, the oracle's
+top-k and where the needle is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from semkv.bench.metrics import exact_match
+from semkv.bench.needles import NeedleCase, answer_rows, make_cases
+from semkv.bench.report import line_plot, median, write_results
+from semkv.prompt import build_layout
+from semkv.sparse import (
+    SparseConfig,
+    SparseDecoder,
+    block_attention_mass,
+    capture_prefill_queries,
+    make_policy,
+)
+from semkv.sparse.keykey import KeyKeyPolicy
+
+log = logging.getLogger(__name__)
+
+MAIN_POLICIES = ["keykey", "hybrid", "quest", "streaming", "h2o", "snapkv", "oracle"]
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "keykey-plain": {"head_pool": "mean"},  # the seed's plain mean over heads
+    "keykey-layerwise": {"layerwise": True},  # per-layer summaries
+    "keykey-uncentred": {"center": False},  # the seed's cosine on raw means
+    "keykey-nostab": {"stability": None},  # resident = selected (reloads without the filter)
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="context tokens")
+    p.add_argument("--cases", type=int, default=30, help="cases per length")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
+    p.add_argument("--policies", nargs="+", default=MAIN_POLICIES)
+    p.add_argument("--ablation-budget", type=float, default=0.1, help="budget of the Key-Key ablation")
+    p.add_argument("--no-ablation", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--heatmaps", type=int, default=1000, help="at most this many heat maps per length")
+    p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="", help="suffix of the result files (sparse<tag>.json)")
+
+
+@dataclass
+class Run:
+    """One decode of one case under one policy configuration."""
+
+    label: str
+    budget: float | None
+    tokens: list[int]
+    text: str
+    step_s: list[float]
+    stats: dict[str, Any] = field(default_factory=dict)
+    overlap: float | None = None
+    overlap_avg: float | None = None
+    decoder: SparseDecoder | None = None
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]]:
+    out = [(name, budget, {}) for name in args.policies for budget in args.budgets]
+    if not args.no_ablation:
+        out += [(label, args.ablation_budget, opts) for label, opts in ABLATIONS.items()]
+    return out
+
+
+def _policy(label: str, options: dict[str, Any]):
+    return KeyKeyPolicy(**options) if label.startswith("keykey-") else make_policy(label, **options)
+
+
+@torch.inference_mode()
+def decode_run(runtime, base_cache, first_token: int, steps: int, decoder: SparseDecoder | None) -> tuple:
+    """Greedy decode ``steps`` tokens after ``first_token`` from a copy of ``base_cache``."""
+    cache = copy.deepcopy(base_cache)
+    tokens, step_s, token = [first_token], [], first_token
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = runtime.decode(cache, token, decoder)
+        step_s.append(time.perf_counter() - start)
+        token = int(logits.argmax())
+        tokens.append(token)
+    if decoder is not None:
+        decoder.finish()
+    return tokens, step_s, cache
+
+
+def oracle_topk_per_step(decoder: SparseDecoder, cache, block_size: int, sink: int, window: int):
+    """Per decode step: (candidates [C], per-layer true block mass [L, C])."""
+    out = []
+    for record, queries in zip(decoder.records, decoder.queries, strict=False):
+        ctx = record.context_tokens
+        win_block = max(0, (ctx - window) // block_size)
+        first = min(sink, win_block)
+        candidates = torch.arange(first, win_block)
+        masses = [
+            block_attention_mass(
+                queries[layer].unsqueeze(1), cache.keys(layer)[:, :ctx], block_size, win_block
+            )[candidates]
+            for layer in range(cache.num_layers)
+        ]
+        out.append((candidates, torch.stack(masses)))
+    return out
+
+
+def overlap_scores(decoder: SparseDecoder, oracle: list) -> tuple[float, float]:
+    """(mean per-layer overlap with that layer's top-k, mean overlap with the layer-averaged top-k)."""
+    per_layer, averaged = [], []
+    for record, (candidates, mass) in zip(decoder.records, oracle, strict=False):
+        if not candidates.numel():
+            continue
+        layers = mass.shape[0]
+        selected = record.selected if len(record.selected) == layers else record.selected * layers
+        k = max(1, len(selected[0]))
+        if k >= candidates.numel():
+            continue
+        avg_top = set(candidates[torch.topk(mass.mean(0), k).indices].tolist())
+        for layer in range(layers):
+            top = set(candidates[torch.topk(mass[layer], k).indices].tolist())
+            chosen = set(selected[layer])
+            per_layer.append(len(chosen & top) / k)
+            averaged.append(len(chosen & avg_top) / k)
+    return (statistics.fmean(per_layer) if per_layer else float("nan")), (
+        statistics.fmean(averaged) if averaged else float("nan")
+    )
+
+
+def heatmap(path: Path, run: Run, oracle: list, needle_blocks: set[int], title: str) -> None:
+    """Decode step x block: selected share over layers (grey), oracle top-k (red), needle (blue)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert run.decoder is not None
+    records = run.decoder.records
+    nb = max((int(c.max()) + 1 for c, _ in oracle if c.numel()), default=1)
+    grid = torch.zeros(len(records), nb)
+    for s, record in enumerate(records):
+        for sel in record.selected:
+            grid[s, sel] += 1.0 / len(record.selected)
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    ax.imshow(grid.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+    for s, (candidates, mass) in enumerate(oracle):
+        k = max(1, len(records[s].selected[0]))
+        if candidates.numel() > k:
+            top = candidates[torch.topk(mass.mean(0), k).indices]
+            ax.scatter(
+                top.numpy(),
+                [s] * len(top),
+                s=6,
+                c="red",
+                marker="s",
+                label="oracle top-k" if s == 0 else None,
+            )
+    for b in sorted(needle_blocks):
+        ax.axvline(b, color="blue", lw=1.0, alpha=0.7)
+    ax.set_xlabel("block (blue: needle)")
+    ax.set_ylabel("decode step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> tuple[list[Run], dict]:
+    runtime, tokenizer, bs = engine.runtime, engine.tokenizer, engine.config.block_size
+    ids = build_layout(tokenizer, case.prompt, None, []).token_ids
+    steps = args.max_new_tokens - 1
+    base = runtime.new_cache(len(ids) + args.max_new_tokens + 1)
+    start = time.perf_counter()
+    with capture_prefill_queries(runtime, base) as captured:
+        logits = runtime.prefill(base, ids)
+    prefill_s = time.perf_counter() - start
+    first = int(logits.argmax())
+    rows = answer_rows(tokenizer, ids, case.answer)
+    needle_blocks = {r // bs for r in rows}
+    info = {"prompt_tokens": len(ids), "prefill_s": prefill_s, "needle_blocks": sorted(needle_blocks)}
+    runs = []
+    dense_tokens, dense_steps, _ = decode_run(runtime, base, first, steps, None)
+    runs.append(Run("dense", None, dense_tokens, tokenizer.decode(dense_tokens), dense_steps))
+    sparse_cfg = SparseConfig(kv_budget=0.1)
+    for label, budget, options in configs:
+        decoder = SparseDecoder(
+            _policy(label, options),
+            SparseConfig(kv_budget=budget, record_queries=not args.no_overlap),
+            bs,
+            captured,
+        )
+        tokens, step_s, cache = decode_run(runtime, base, first, steps, decoder)
+        run = Run(
+            label,
+            budget,
+            tokens,
+            tokenizer.decode(tokens),
+            step_s,
+            decoder.stats(sum(step_s)),
+            decoder=decoder,
+        )
+        if not args.no_overlap:
+            oracle = oracle_topk_per_step(
+                decoder, cache, bs, sparse_cfg.sink_blocks, sparse_cfg.window_tokens
+            )
+            run.overlap, run.overlap_avg = overlap_scores(decoder, oracle)
+            if heat_dir is not None and label == "keykey" and budget == args.ablation_budget:
+                heatmap(
+                    heat_dir / f"case_{case.length}_{case.seed}.png",
+                    run,
+                    oracle,
+                    needle_blocks,
+                    f"{case.task} {case.length} tok, depth {case.depth:.2f}: keykey @ {budget:g} "
+                    f"(dense: {'ok' if exact_match(runs[0].text, case.answer) else 'miss'}, "
+                    f"keykey: {'ok' if exact_match(run.text, case.answer) else 'miss'})",
+                )
+        run.decoder = None
+        del cache
+        runs.append(run)
+    return runs, info
+
+
+def _ms(run: Run) -> float:
+    timed = run.step_s[1:] if len(run.step_s) > 1 else run.step_s
+    return 1000 * median(timed)
+
+
+def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[str, Any]]:
+    """One row per (length, policy, budget): figures against dense on the same cases."""
+    groups: dict[tuple, list[tuple[NeedleCase, Run, Run]]] = {}
+    for case, runs, _info in results:
+        dense = runs[0]
+        for run in runs:
+            groups.setdefault((case.length, run.label, run.budget), []).append((case, run, dense))
+    rows = []
+    for (length, label, budget), items in sorted(
+        groups.items(), key=lambda x: (x[0][0], x[0][1], x[0][2] or 0)
+    ):
+        correct = [exact_match(r.text, c.answer) for c, r, _ in items]
+        dense_ok = [exact_match(d.text, c.answer) for c, _, d in items]
+        solved = [ok for ok, dok in zip(correct, dense_ok, strict=True) if dok]
+        ratios = [_ms(d) / _ms(r) for _, r, d in items]
+        stats = [r.stats for _, r, _ in items]
+        row = {
+            "length": length,
+            "policy": label,
+            "budget": budget if budget is not None else 1.0,
+            "cases": len(items),
+            "accuracy": 100 * statistics.fmean(correct),
+            "dense_accuracy": 100 * statistics.fmean(dense_ok),
+            "on_dense_solved": f"{sum(solved)}/{len(solved)}",
+            "agree_dense": 100 * statistics.fmean(r.tokens == d.tokens for _, r, d in items),
+            "ms_per_token": median([_ms(r) for _, r, _ in items]),
+            "speedup_vs_dense": median(ratios),
+        }
+        if label != "dense":
+            overlaps = [r.overlap for _, r, _ in items if r.overlap is not None]
+            avg = [r.overlap_avg for _, r, _ in items if r.overlap_avg is not None]
+            row.update(
+                {
+                    "oracle_overlap": statistics.fmean(overlaps) if overlaps else float("nan"),
+                    "oracle_overlap_avg": statistics.fmean(avg) if avg else float("nan"),
+                    "select_share": median([s.get("select_share", 0.0) for s in stats]),
+                    "resident_kv_MB": statistics.fmean((s.get("resident_kv_bytes") or 0) for s in stats)
+                    / 1e6,
+                    "loaded_per_step": statistics.fmean(s.get("blocks_loaded_per_step", 0.0) for s in stats),
+                    "blocks_per_step": statistics.fmean(
+                        s.get("blocks_selected_per_step", 0.0) for s in stats
+                    ),
+                }
+            )
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    "length",
+    "policy",
+    "budget",
+    "cases",
+    "accuracy",
+    "dense_accuracy",
+    "on_dense_solved",
+    "agree_dense",
+    "oracle_overlap",
+    "oracle_overlap_avg",
+    "ms_per_token",
+    "speedup_vs_dense",
+    "select_share",
+    "resident_kv_MB",
+    "loaded_per_step",
+    "blocks_per_step",
+]
+
+
+def _plots(out: Path, name: str, rows: list[dict[str, Any]]) -> None:
+    for length in sorted({r["length"] for r in rows}):
+        for metric, ylabel in (
+            ("accuracy", "accuracy (%)"),
+            ("speedup_vs_dense", "decode speed-up vs dense"),
+        ):
+            series = {}
+            for policy in MAIN_POLICIES:
+                pts = sorted(
+                    (r["budget"], r[metric]) for r in rows if r["length"] == length and r["policy"] == policy
+                )
+                if pts:
+                    series[policy] = ([p[0] for p in pts], [p[1] for p in pts])
+            if series:
+                line_plot(
+                    out / f"{name}_{metric}_{length}.png",
+                    series,
+                    "KV budget (fraction of context)",
+                    ylabel,
+                    f"sparse decode, {length} tokens",
+                )
+
+
+def run(args: argparse.Namespace) -> int:
+    from semkv.engine import Engine
+
+    torch.set_num_threads(args.threads or 1)
+    engine = Engine.from_pretrained(
+        args.model,
+        home=args.home,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        threads=args.threads or 1,
+    )
+    out = Path(args.out)
+    name = f"sparse{args.tag}"
+    heat_dir = out / f"{name}_heatmaps"
+    heat_dir.mkdir(parents=True, exist_ok=True)
+    configs = _configs(args)
+    # warm-up (excluded): one short prefill + decodes through the sparse path
+    warm = make_cases(engine.tokenizer, 512, 1, seed=args.seed + 99)[0]
+    run_case(engine, warm, argparse.Namespace(**{**vars(args), "no_overlap": True}), configs[:2], None)
+    results = []
+    per_case = []
+    for length in args.lengths:
+        cases = make_cases(engine.tokenizer, length, args.cases, seed=args.seed)
+        for i, case in enumerate(tqdm(cases, desc=f"sparse {length} tok", unit="case")):
+            runs, info = run_case(engine, case, args, configs, heat_dir if i < args.heatmaps else None)
+            results.append((case, runs, info))
+            per_case.append(
+                {
+                    "length": length,
+                    "task": case.task,
+                    "seed": case.seed,
+                    "depth": case.depth,
+                    "answer": case.answer,
+                    **info,
+                    "runs": {
+                        f"{r.label}@{r.budget}": {"text": r.text, "ms": _ms(r), **r.stats} for r in runs
+                    },
+                }
+            )
+            rows = summarise(results)
+            write_results(out, name, rows, vars_config(args), COLUMNS, extra={"cases": per_case}, notes=NOTES)
+    _plots(out, name, rows)
+    print((out / f"{name}.md").read_text())
+    return 0
+
+
+def vars_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("bench_run", "func")}
+
+
+NOTES = """
+Columns: accuracy = answer found in the generated text; dense_accuracy = dense on the same cases;
+on_dense_solved = cases dense solves that the policy also solves; agree_dense = identical tokens;
+oracle_overlap = |selected ∩ true-attention top-k| / k per layer and step (middle blocks only);
+oracle_overlap_avg = the same against the top-k of attention averaged over layers and heads (the
+seed's section 3.3 measure); speedup_vs_dense = median over cases of dense ms/token / policy ms/token
+(same run, same prefilled cache); select_share = selection time / decode time; resident_kv_MB = fast-tier
+KV at rest after the last step; loaded_per_step = blocks (all layers) copied from the slow tier per step
+after the first. Budgets count the selected middle blocks; the sink block and the ~32-token window come on top.
+"""

@@ -1,0 +1,253 @@
+"""The sparse decoder: turns a policy into the runtime's per-layer key gathering.
+
+Every decode step it (1) declares newly complete blocks to the :class:`BlockIndex`,
+(2) splits the cache into the always-kept *hot* rows — the sink block(s) and the
+local window, which includes the new token — and the *candidate* blocks between
+them, (3) asks the policy for scores (once per step, or per layer with that layer's
+query), keeps the budget's top blocks, (4) makes them resident in the
+:class:`FastTier` (copying what is missing from the slow tier, evicting what is
+neither selected nor worth keeping by the policy's residency hint) and (5) hands the
+runtime the keys, values and positions of hot rows + selected blocks.
+
+If the budget covers every candidate the step is dense: the runtime attends to
+every row exactly as without a selector.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from semkv.models.cache import KVCache
+from semkv.sparse.base import Budget, SparsePolicy, StepRecord, StepView, topk_blocks
+from semkv.sparse.index import BlockIndex, PrefillQueries
+from semkv.sparse.tier import HIDDEN, FastTier
+
+
+@dataclass
+class SparseConfig:
+    """Budget and always-kept rows, shared by every policy.
+
+    kv_budget: candidate blocks per step, as a fraction of the context (0, 1] or a token count.
+    sink_blocks: leading blocks always attended (the attention sink).
+    window_tokens: at least this many latest tokens always attended (rounded out to a block edge).
+    resident_factor: fast-tier capacity in multiples of the largest budget (room for the
+        residency hint to keep unselected blocks).
+    record_queries: keep each step's per-layer query (for oracle overlap, measured afterwards).
+    dense_when_covered: a budget covering every candidate attends to the cache directly (exact);
+        False still goes through the fast tier (tests use it to check the gather path).
+    """
+
+    kv_budget: float | int = 0.1
+    sink_blocks: int = 1
+    window_tokens: int = 32
+    resident_factor: float = 2.0
+    record_queries: bool = False
+    dense_when_covered: bool = True
+    budget: Budget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = Budget(self.kv_budget)
+        if self.sink_blocks < 0:
+            raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
+        if self.window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
+        if self.resident_factor < 1.0:
+            raise ValueError(f"resident_factor must be >= 1, got {self.resident_factor}")
+
+
+class SparseDecoder:
+    """Implements the runtime's key-gathering hook for one sequence (one generation)."""
+
+    def __init__(
+        self,
+        policy: SparsePolicy,
+        config: SparseConfig,
+        block_size: int,
+        prefill: PrefillQueries | None = None,
+    ) -> None:
+        self.policy = policy
+        self.config = config
+        self.block_size = block_size
+        self.prefill = prefill
+        self.records: list[StepRecord] = []
+        self.queries: list[Tensor] = []  # per step: [L, nh, d] (record_queries)
+        self.index: BlockIndex | None = None
+        self.tier: FastTier | None = None
+        self._observes = type(policy).observe is not SparsePolicy.observe
+        self._step = -1
+        self._step_state: dict[str, Any] = {}
+        self.prepare_s = 0.0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _begin(self, cache: KVCache) -> None:
+        if self.policy.needs_prefill_queries and self.prefill is None:
+            raise ValueError(f"policy {self.policy.name!r} needs the prompt's queries captured at prefill")
+        self.index = BlockIndex(cache, self.block_size)
+        most = self.config.budget.blocks(cache.capacity, self.block_size)
+        slots = max(1, int(most * self.config.resident_factor))
+        if not self.policy.is_dense:
+            hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
+            self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer)
+        sink, win_block, _ = self._geometry(cache)
+        self.index.update(win_block)
+        view = StepView(cache, self.index, torch.arange(sink, win_block), 0, -1, prefill=self.prefill)
+        start = time.perf_counter()
+        self.policy.prepare(view)  # summaries of the prompt's blocks: the work done when blocks are written
+        self.prepare_s = time.perf_counter() - start
+
+    def _geometry(self, cache: KVCache) -> tuple[int, int, int]:
+        """(sink blocks, first window block, window start row) for the cache's current length."""
+        bs = self.block_size
+        length = cache.length
+        win_block = max(0, (length - self.config.window_tokens) // bs)
+        sink = min(self.config.sink_blocks, win_block)
+        return sink, win_block, win_block * bs
+
+    # -- the runtime hook -------------------------------------------------------------------------
+    def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Keys [kvh, R, d], values [kvh, R, d] and positions [R] this layer attends to (the new
+        row included), or None for every row. Rows hidden this step carry a far-future position."""
+        if layer == 0:
+            self._start_step(cache)
+        if self.config.record_queries:
+            self._step_state["queries"].append(q_rot[:, 0].detach().clone())
+        state = self._step_state
+        if state["dense"]:
+            return None
+        assert self.tier is not None
+        record = state["record"]
+        if self.policy.per_layer:
+            selected = self._select(cache, layer, q_rot)
+            record.selected.append(selected.tolist())
+            start = time.perf_counter()
+            record.loaded_blocks += self.tier.ensure(layer, selected, cache, state["extra"])
+            record.gather_s += time.perf_counter() - start
+        else:
+            selected = state["selected"]
+        start = time.perf_counter()
+        keys, values, k_pos = self.tier.view(layer, cache)
+        record.gather_s += time.perf_counter() - start
+        if self._observes:
+            start = time.perf_counter()
+            group = layer if self.policy.per_layer else 0
+            region_rows = torch.cat(
+                [
+                    self.tier.block_rows(self.tier.block_in[group].clamp(min=0)),
+                    torch.arange(state["sink_rows"]),
+                    torch.arange(state["win_row"], cache.length),
+                ]
+            )
+            visible = k_pos != HIDDEN
+            self.policy.observe(
+                self._view(cache, layer, q_rot), selected, keys[:, visible], region_rows[visible]
+            )
+            record.select_s += time.perf_counter() - start
+        return keys, values, k_pos
+
+    def _view(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> StepView:
+        state = self._step_state
+        assert self.index is not None
+        return StepView(
+            cache, self.index, state["candidates"], state["budget"], self._step, layer, q_rot, self.prefill
+        )
+
+    def _select(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> Tensor:
+        """Score and keep the budget's top candidates (timed as selection)."""
+        start = time.perf_counter()
+        state = self._step_state
+        view = self._view(cache, layer, q_rot)
+        scores = self.policy.score(view)
+        selected = topk_blocks(scores, state["candidates"], state["budget"])
+        if layer is None or layer == 0:
+            hint = self.policy.resident_hint()
+            if hint is not None:
+                order = torch.argsort(hint, descending=True)
+                state["extra"] = order[hint[order] >= 0]
+        state["record"].select_s += time.perf_counter() - start
+        return selected
+
+    def _start_step(self, cache: KVCache) -> None:
+        if self.index is None:
+            self._begin(cache)
+        assert self.index is not None
+        if self._step >= 0 and self.config.record_queries:
+            self.queries.append(torch.stack(self._step_state["queries"]))
+        self._step += 1
+        sink, win_block, win_row = self._geometry(cache)
+        self.index.update(win_block)
+        candidates = torch.arange(sink, win_block)
+        budget = self.config.budget.blocks(cache.length, self.block_size)
+        record = StepRecord(self._step, cache.length)
+        self.records.append(record)
+        dense = self.policy.is_dense or (self.config.dense_when_covered and budget >= candidates.numel())
+        self._step_state = {
+            "candidates": candidates,
+            "budget": budget,
+            "sink_rows": sink * self.block_size,
+            "win_row": win_row,
+            "dense": dense,
+            "record": record,
+            "extra": None,
+            "queries": [],
+        }
+        if dense:
+            record.selected.append(candidates.tolist())
+            record.resident_blocks = cache.num_layers * candidates.numel()
+            return
+        assert self.tier is not None
+        start = time.perf_counter()
+        if self.tier.sink_rows != sink * self.block_size:
+            self.tier.set_sink(cache, sink * self.block_size)
+        self.tier.set_window(cache, win_row)
+        record.gather_s += time.perf_counter() - start
+        if not self.policy.per_layer:
+            selected = self._select(cache, None, None)
+            record.selected.append(selected.tolist())
+            start = time.perf_counter()
+            record.loaded_blocks += self.tier.ensure(0, selected, cache, self._step_state["extra"])
+            record.gather_s += time.perf_counter() - start
+            self._step_state["selected"] = selected
+
+    def finish(self) -> None:
+        """Close the last step's bookkeeping (call after the last decode step)."""
+        if self.config.record_queries and self._step_state.get("queries"):
+            self.queries.append(torch.stack(self._step_state["queries"]))
+            self._step_state["queries"] = []
+        if self.tier is not None and self.records:
+            self.records[-1].resident_blocks = self.tier.resident_layer_blocks()
+
+    # -- statistics -----------------------------------------------------------------------------
+    def stats(self, decode_s: float | None = None) -> dict[str, Any]:
+        """Per-generation figures: blocks selected per step, resident and moved bytes, selection time."""
+        recs = self.records
+        if not recs:
+            return {"sparse_policy": self.policy.name, "sparse_steps": 0}
+        layer_block = self.tier.layer_block_bytes if self.tier is not None else 0
+        num_layers = self.index.cache.num_layers if self.index is not None else 1
+        selected = [sum(len(s) for s in r.selected) / len(r.selected) for r in recs]
+        loaded = [r.loaded_blocks / num_layers for r in recs]
+        select_s = sum(r.select_s for r in recs)
+        out: dict[str, Any] = {
+            "sparse_policy": self.policy.name,
+            "sparse_steps": len(recs),
+            "kv_budget": self.config.kv_budget,
+            "blocks_selected_per_step": sum(selected) / len(selected),
+            "blocks_loaded_first_step": loaded[0],
+            "blocks_loaded_per_step": sum(loaded[1:]) / max(1, len(loaded) - 1),
+            "bytes_loaded": int(sum(r.loaded_blocks for r in recs) * layer_block),
+            "resident_kv_bytes": int(self.tier.resident_layer_blocks() * layer_block) if self.tier else None,
+            "hot_rows": recs[-1].context_tokens
+            - self._step_state.get("win_row", 0)
+            + self._step_state.get("sink_rows", 0),
+            "prepare_s": self.prepare_s,
+            "select_s": select_s,
+            "gather_s": sum(r.gather_s for r in recs),
+        }
+        if decode_s:
+            out["select_share"] = select_s / decode_s
+        return out
