@@ -87,3 +87,23 @@ def join_entry_bytes(header: dict, payload: bytes, reseal: bool = True) -> bytes
         header["header_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     raw = json.dumps(header, sort_keys=True).encode()
     return MAGIC + struct.pack("<Q", len(raw)) + raw + payload
+
+
+def save_tiny_checkpoint(folder: Path, tokenizer, family: str = "llama", seed: int = 0) -> Path:
+    """A loadable HF checkpoint folder (tiny random model + the SmolLM2 tokenizer) for ``--model PATH``."""
+    model = tiny_hf_model(family, len(tokenizer), seed=seed)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``semkv <argv>`` in this process: (exit code, stdout, stderr); argparse exits become codes."""
+    from semkv.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
