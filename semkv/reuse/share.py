@@ -91,6 +91,9 @@ class ShareConfig:
         recomputed from layer 1 on; layer 0 is always recomputed fully.
     deviation_on: which fresh-vs-reused deviation ranks the rows ("k", "v" or "kv").
     unmatched: "recompute" (SemShareKV) or "drop" (the paper's elimination baseline).
+    scattered: what to do with tokens matched outside an aligned run (same id elsewhere, or by
+        signature): "reuse" their matched KV like the paper (and let the deviation check pick them),
+        or "recompute" them like unmatched tokens (their reused KV comes from another context).
     candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
     simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
     """
@@ -102,12 +105,13 @@ class ShareConfig:
     min_aligned_after_prefix: int = 32
     anchor: int = 4
     schedule: Literal["exponential", "constant"] = "exponential"
-    first_ratio: float = 0.3
-    decay: float = 0.85
+    first_ratio: float = 0.2
+    decay: float = 0.8
     min_ratio: float = 0.02
-    constant_ratio: float = 0.07
+    constant_ratio: float = 0.04
     deviation_on: DeviationOn = "kv"
     unmatched: Literal["recompute", "drop"] = "recompute"
+    scattered: Literal["reuse", "recompute"] = "reuse"
     candidates: int = 3
     simhash: SimHashConfig = field(default_factory=SimHashConfig)
 
@@ -128,6 +132,8 @@ class ShareConfig:
             raise ValueError(f"schedule must be 'exponential' or 'constant', got {self.schedule!r}")
         if self.unmatched not in ("recompute", "drop"):
             raise ValueError(f"unmatched must be 'recompute' or 'drop', got {self.unmatched!r}")
+        if self.scattered not in ("reuse", "recompute"):
+            raise ValueError(f"scattered must be 'reuse' or 'recompute', got {self.scattered!r}")
         if self.deviation_on not in ("k", "v", "kv"):
             raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
         if self.min_aligned_after_prefix < 0:
@@ -490,6 +496,9 @@ class SharePath:
             v = gather_rows(ref.v, source)
             start = ctx.runtime.load_rows(cache, k, v, rows.to(device), [token_ids[int(i)] for i in rows])
         forced = source < 0
+        if config.scattered == "recompute":
+            kinds = torch.from_numpy(match.kind[prefix:]).to(torch.long)[rows - prefix]
+            forced |= kinds != ALIGNED
         forced[-1] = True
         selector = DeviationSelector(
             forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on

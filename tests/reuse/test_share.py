@@ -288,3 +288,22 @@ def test_reference_gone_from_store_is_dropped_from_index(make_tiny_engine, doc):
     assert got.stats["path"] == "full"
     assert "no longer in the store" in got.stats["refused"]["share"]
     assert key not in share_index(engine.ctx)
+
+
+def test_scattered_matches_can_be_forced_into_recompute(engine4, doc):
+    reference, target = _paraphrase(doc)
+    engine4.generate(prompt=reference, max_new_tokens=1)
+    runs = {}
+    for scattered in ("reuse", "recompute"):
+        got = engine4.generate(
+            prompt=target,
+            max_new_tokens=1,
+            reuse="share",
+            share=ShareConfig(scattered=scattered),
+            store_prompt=False,
+        )
+        runs[scattered] = got.stats
+    counts = runs["reuse"]["share_matches"]
+    assert counts["same_token"] + counts["signature"] > 0
+    assert runs["recompute"]["share_forced"] > runs["reuse"]["share_forced"]
+    assert runs["reuse"]["share_forced"] <= counts["unmatched"] + 1

@@ -1,0 +1,470 @@
+"""SemShareKV on ACLSum paper summarisation: TTFT and quality vs prompt similarity.
+
+Reference prompt: an instruction + a paper (``short``: abstract + introduction +
+conclusion, ~1-3K tokens; ``long``: the full text from the paper's S2ORC parse, cut to
+``--long-tokens``). It is fully prefilled once and remembered. Targets: a differently
+worded instruction (templates placed before or after the document) + the paper with
+0/10/30/50% of its sentences replaced (by sentences of another paper) or deleted,
+seeded. Every target is served by: full prefill, prefix caching, share (exponential
+decay), share (constant ratio, same mean compute), and the paper's elimination baseline
+(unmatched tokens dropped). The share rows run with the thresholds off, so the plots
+show where quality falls off; a separate column says whether the default thresholds
+would refuse. The data is read from the ``aclsum`` package's files (never imported:
+its ``__init__`` imports ``sienna``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import statistics
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from semkv.bench.metrics import logit_kl, rouge_l
+from semkv.bench.report import line_plot, median, write_results
+from semkv.models.loader import package_folder
+from semkv.reuse.lsh import IndexConfig, PromptIndex
+
+log = logging.getLogger(__name__)
+
+REFERENCE_INSTRUCTION = (
+    "Summarize the following scientific paper in a few sentences: the challenge it addresses, "
+    "its approach and its outcome."
+)
+TARGET_TEMPLATES: list[tuple[str, str]] = [
+    ("before", "Write a short summary of the paper below, covering the problem, the method and the results."),
+    (
+        "after",
+        "Summarise this paper in a few sentences: what problem does it tackle, how, and what did it find?",
+    ),
+    ("before", "Please read this ACL paper and give a brief summary of it."),
+    ("after", "Give a concise abstract-style summary of the paper above."),
+]
+METHODS = ["full", "prefix", "share_decay", "share_constant", "elimination"]
+SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z(])")
+
+
+# -- data -------------------------------------------------------------------------------------------
+def aclsum_folder() -> Path:
+    return package_folder("aclsum") / "dataset"
+
+
+def load_papers(split: str = "test") -> list[dict[str, Any]]:
+    """Papers of one split: id, title, sentences (abstract + introduction + conclusion), summary."""
+    papers = []
+    with open(aclsum_folder() / f"{split}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            x = json.loads(line)
+            sections = x["sentences"]
+            sentences = [
+                s for part in ("abstract", "introduction", "conclusion") for s in sections.get(part, [])
+            ]
+            summary = " ".join(x["summary"][aspect] for aspect in ("challenge", "approach", "outcome"))
+            papers.append({"id": x["id"], "sentences": sentences, "summary": summary})
+    return papers
+
+
+def full_text_sentences(paper_id: str) -> list[str]:
+    """Sentences of the paper's full text (abstract + body paragraphs of its S2ORC parse)."""
+    data = json.loads((aclsum_folder() / "paper_jsons" / f"{paper_id}.json").read_text(encoding="utf-8"))
+    parse = data.get("pdf_parse") or {}
+    paragraphs = [p["text"] for p in parse.get("abstract", [])] + [
+        p["text"] for p in parse.get("body_text", [])
+    ]
+    return [s.strip() for p in paragraphs for s in SENTENCE_SPLIT.split(p) if s.strip()]
+
+
+def cut_to_tokens(tokenizer, sentences: list[str], max_tokens: int) -> list[str]:
+    """The leading sentences whose total stays within ``max_tokens`` tokens."""
+    out, total = [], 0
+    for s in sentences:
+        n = len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+        if total + n > max_tokens:
+            break
+        out.append(s)
+        total += n
+    return out
+
+
+def edit_sentences(
+    sentences: list[str], fraction: float, donor: list[str], rng: random.Random
+) -> tuple[list[str], int]:
+    """Replace (by a donor sentence) or delete, with equal odds, ``fraction`` of the sentences."""
+    count = round(fraction * len(sentences))
+    chosen = set(rng.sample(range(len(sentences)), count))
+    out = []
+    for i, s in enumerate(sentences):
+        if i not in chosen:
+            out.append(s)
+        elif rng.random() < 0.5:
+            out.append(rng.choice(donor))
+    return out, count
+
+
+def render(instruction: str, place: str, document: str) -> str:
+    return f"{instruction}\n\n{document}" if place == "before" else f"{document}\n\n{instruction}"
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+class PeakRSS:
+    """Peak resident memory (MB) above the level at entry, sampled every ``interval`` s."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = 0.0
+
+    @staticmethod
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss_mb() - self.base)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss_mb() - self.base)
+
+
+def method_options(method: str, base, num_layers: int) -> dict[str, Any]:
+    """generate() options of a method. ``base`` is the default ShareConfig; share rows run with
+    its thresholds off; the constant row uses the decay schedule's mean ratio (same compute)."""
+    free = replace(base, min_similarity=0.0, min_match_rate=0.0, min_aligned_after_prefix=0)
+    if method == "full":
+        return {"reuse": "none"}
+    if method == "prefix":
+        return {"reuse": "prefix"}
+    if method == "share_decay":
+        return {"reuse": "share", "share": free}
+    if method == "share_constant":
+        mean_ratio = statistics.fmean(base.ratios(num_layers).values())
+        return {"reuse": "share", "share": replace(free, schedule="constant", constant_ratio=mean_ratio)}
+    if method == "elimination":
+        return {"reuse": "share", "share": replace(free, unmatched="drop")}
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def default_refusal(engine, prompt: str) -> str | None:
+    """The reason the default share thresholds refuse ``prompt`` (None = they accept it)."""
+    from semkv.request import GenerateRequest
+    from semkv.reuse import REUSE_PATHS, Refusal
+
+    request = GenerateRequest(prompt=prompt, reuse="share")
+    offer = REUSE_PATHS["share"].plan(engine.ctx, request, engine.layout(request))
+    return offer.reason if isinstance(offer, Refusal) else None
+
+
+def index_lookup_benchmark(
+    tokenizer, documents: list[str], sizes: list[int], queries: int, window: int, seed: int
+) -> list[dict[str, Any]]:
+    """Median signature and lookup time of the reference index holding ``sizes`` prompts: windows of
+    ``window`` tokens from the real documents (many overlap: a realistic load on the buckets); queries
+    are edited copies of stored prompts (20% of tokens changed)."""
+    rng = np.random.default_rng(seed)
+    docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents]
+    docs = [d for d in docs if len(d) > window]
+    rows = []
+    for size in sizes:
+        index = PromptIndex(IndexConfig())
+        stored = []
+        for i in tqdm(range(size), desc=f"index {size}", leave=False):
+            d = docs[int(rng.integers(len(docs)))]
+            start = int(rng.integers(len(d) - window))
+            ids = d[start : start + window]
+            stored.append(ids)
+            index.add(f"{i:064x}", ids)
+        sig_ms, query_ms, found = [], [], 0
+        for _ in range(queries):
+            target = list(stored[int(rng.integers(size))])
+            for pos in rng.choice(window, window // 5, replace=False):
+                target[pos] = int(rng.integers(len(tokenizer)))
+            t0 = time.perf_counter()
+            sig = index.signature(target)
+            t1 = time.perf_counter()
+            hits = index.query(sig, top=3)
+            t2 = time.perf_counter()
+            sig_ms.append(1000 * (t1 - t0))
+            query_ms.append(1000 * (t2 - t1))
+            found += bool(hits) and hits[0].similarity > 0.4
+        rows.append(
+            {
+                "prompts": size,
+                "prompt_tokens": window,
+                "signature_ms_median": median(sig_ms),
+                "lookup_ms_median": median(query_ms),
+                "lookup_ms_p95": float(np.percentile(query_ms, 95)),
+                "found_rate": found / queries,
+            }
+        )
+    return rows
+
+
+# -- the suite -------------------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--papers", type=int, default=3, help="papers (from the start of the split)")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--variant", default="long", choices=["short", "long", "both"])
+    parser.add_argument("--long-tokens", type=int, default=3500, help="document tokens of the long variant")
+    parser.add_argument("--edits", default="0,10,30,50", help="percent of sentences replaced/deleted")
+    parser.add_argument("--templates", type=int, default=1, help="target instructions per edit level")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--index-sizes", default="1000,10000", help="stored prompts for the lookup benchmark")
+    parser.add_argument("--index-queries", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="1 paper, short variant, edits 0,30, 16 tokens")
+
+
+def _targets(args, tokenizer, papers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rng = random.Random(args.seed)
+    variants = ["short", "long"] if args.variant == "both" else [args.variant]
+    edits = [int(e) for e in args.edits.split(",") if e.strip()]
+    out = []
+    for p_index, paper in enumerate(papers):
+        donor_paper = papers[(p_index + 1) % len(papers)] if len(papers) > 1 else paper
+        for variant in variants:
+            if variant == "short":
+                sentences = paper["sentences"]
+            else:
+                sentences = cut_to_tokens(tokenizer, full_text_sentences(paper["id"]), args.long_tokens)
+            document = " ".join(sentences)
+            reference = render(REFERENCE_INSTRUCTION, "before", document)
+            for edit in edits:
+                for t in range(args.templates):
+                    place, instruction = TARGET_TEMPLATES[(edit // 10 + t + p_index) % len(TARGET_TEMPLATES)]
+                    edited, changed = edit_sentences(sentences, edit / 100, donor_paper["sentences"], rng)
+                    out.append(
+                        {
+                            "paper": paper["id"],
+                            "variant": variant,
+                            "edit_pct": edit,
+                            "sentences_changed": changed,
+                            "place": place,
+                            "reference": reference,
+                            "target": render(instruction, place, " ".join(edited)),
+                            "summary": paper["summary"],
+                        }
+                    )
+    return out
+
+
+def run(args) -> int:
+    from semkv.config import StoreConfig
+    from semkv.engine import Engine
+    from semkv.reuse.share import ShareConfig
+
+    if args.quick:
+        args.papers, args.variant, args.edits, args.max_new_tokens = 1, "short", "0,30", 16
+        args.index_sizes, args.index_queries = "1000", 50
+    torch.set_num_threads(args.threads or 1)
+    engine = Engine.from_pretrained(
+        args.model,
+        home=args.home,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        threads=args.threads or 1,
+        store=StoreConfig(disk=False),  # a fresh, in-memory store: only this run's prompts
+    )
+    tokenizer = engine.tokenizer
+    papers = load_papers(args.split)
+    targets = _targets(args, tokenizer, papers[: args.papers])
+    methods = [m for m in args.methods.split(",") if m]
+    if methods[0] != "full" or any(m not in METHODS for m in methods):
+        raise ValueError(f"--methods must start with full and use only {METHODS}")
+    base = ShareConfig()
+    engine.generate(prompt="Warm-up: say hello.", max_new_tokens=2, store_prompt=False)  # excluded
+
+    rows: list[dict[str, Any]] = []
+    remembered: set[str] = set()
+    for target in tqdm(targets, desc="share bench"):
+        if target["reference"] not in remembered:  # the earlier prompt: fully prefilled, remembered
+            engine.generate(prompt=target["reference"], max_new_tokens=1, reuse="none")
+            remembered.add(target["reference"])
+        refusal = default_refusal(engine, target["target"])
+        full = None
+        for method in methods:
+            options = method_options(method, base, engine.runtime.num_layers)
+            with PeakRSS() as mem:
+                g = engine.generate(
+                    prompt=target["target"], max_new_tokens=args.max_new_tokens, store_prompt=False, **options
+                )
+            full = g if method == "full" else full
+            s = g.stats
+            rows.append(
+                {
+                    "paper": target["paper"],
+                    "variant": target["variant"],
+                    "edit_pct": target["edit_pct"],
+                    "place": target["place"],
+                    "method": method,
+                    "path": s["path"],
+                    "prompt_tokens": s["prompt_tokens"],
+                    "ttft_s": s["ttft_s"],
+                    "ttft_ratio": (full.stats["ttft_s"] / s["ttft_s"]) if full is not None else float("nan"),
+                    "rougeL_ref": rouge_l(g.text, target["summary"]),
+                    "rougeL_vs_full": rouge_l(g.text, full.text) if full is not None else float("nan"),
+                    "kl_first": logit_kl(full.first_logits, g.first_logits)
+                    if full is not None
+                    else float("nan"),
+                    "peak_rss_mb": mem.peak,
+                    "match_rate": s.get("share_match_rate", float("nan")),
+                    "aligned_rate": s.get("share_aligned_rate", float("nan")),
+                    "similarity": s.get("share_similarity", float("nan")),
+                    "recompute_frac": s.get("share_recompute_fraction", float("nan")),
+                    "lookup_ms": s.get("share_lookup_ms", float("nan")),
+                    "reused": s["reused_tokens"],
+                    "default_refuses": refusal is not None,
+                    "refusal": refusal or "",
+                    "text": g.text,
+                }
+            )
+    summary = summarise(rows)
+    lookups = index_lookup_benchmark(
+        tokenizer,
+        [" ".join(p["sentences"]) for p in papers],
+        [int(x) for x in args.index_sizes.split(",") if x],
+        args.index_queries,
+        window=512,
+        seed=args.seed,
+    )
+    out = Path(args.out)
+    plots = make_plots(out, summary)
+    notes = targets_check(summary, lookups) + "\n## Reference index lookup\n\n"
+    from semkv.bench.report import markdown_table
+
+    notes += markdown_table(lookups) + "\n## Every row\n\n"
+    notes += markdown_table(
+        [{k: v for k, v in r.items() if k not in ("text", "refusal")} for r in rows],
+    )
+    config = {k: v for k, v in vars(args).items() if k not in ("bench_run", "func")}
+    config["share"] = {k: v for k, v in vars(base).items() if k != "simhash"}
+    write_results(
+        out,
+        "share",
+        summary,
+        config,
+        columns=[
+            "variant",
+            "edit_pct",
+            "method",
+            "n",
+            "prompt_tokens",
+            "ttft_s",
+            "ttft_ratio",
+            "rougeL_ref",
+            "rougeL_vs_full",
+            "kl_first",
+            "peak_rss_mb",
+            "match_rate",
+            "recompute_frac",
+            "lookup_ms",
+            "share_path_rate",
+            "default_refuse_rate",
+        ],
+        extra={"target_rows": rows, "index_lookup": lookups, "plots": [str(p) for p in plots]},
+        notes=notes,
+    )
+    print(notes.split("## Every row")[0])
+    print(f"results in {out}/share.json, share.md and {len(plots)} plots")
+    return 0
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (variant, edit %, method): medians of speed, means of quality."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["edit_pct"], r["method"]), []).append(r)
+    out = []
+    for (variant, edit, method), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], METHODS.index(kv[0][2]))
+    ):
+        out.append(
+            {
+                "variant": variant,
+                "edit_pct": edit,
+                "method": method,
+                "n": len(rs),
+                "prompt_tokens": median([r["prompt_tokens"] for r in rs]),
+                "ttft_s": median([r["ttft_s"] for r in rs]),
+                "ttft_ratio": median([r["ttft_ratio"] for r in rs]),
+                "rougeL_ref": statistics.fmean(r["rougeL_ref"] for r in rs),
+                "rougeL_vs_full": statistics.fmean(r["rougeL_vs_full"] for r in rs),
+                "kl_first": statistics.fmean(r["kl_first"] for r in rs),
+                "peak_rss_mb": median([r["peak_rss_mb"] for r in rs]),
+                "match_rate": statistics.fmean(r["match_rate"] for r in rs),
+                "recompute_frac": statistics.fmean(r["recompute_frac"] for r in rs),
+                "lookup_ms": median([r["lookup_ms"] for r in rs]),
+                "share_path_rate": sum(r["path"] == "share" for r in rs) / len(rs),
+                "default_refuse_rate": sum(r["default_refuses"] for r in rs) / len(rs),
+            }
+        )
+    return out
+
+
+def make_plots(out: Path, summary: list[dict[str, Any]]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for variant in sorted({s["variant"] for s in summary}):
+        lines = [s for s in summary if s["variant"] == variant]
+        refuse_at = min((s["edit_pct"] for s in lines if s["default_refuse_rate"] >= 0.5), default=None)
+        note = f" (default threshold refuses from {refuse_at}% edits)" if refuse_at is not None else ""
+        for metric, label in (
+            ("ttft_ratio", "TTFT speed-up vs full prefill (x)"),
+            ("rougeL_ref", "ROUGE-L vs reference summary"),
+            ("kl_first", "first-token KL vs full prefill (nats)"),
+        ):
+            series = {}
+            for method in METHODS:
+                pts = [(s["edit_pct"], s[metric]) for s in lines if s["method"] == method]
+                if pts and not (metric == "kl_first" and method == "full"):
+                    series[method] = ([p[0] for p in pts], [p[1] for p in pts])
+            path = out / f"share_{variant}_{metric}.png"
+            line_plot(
+                path, series, "% of sentences replaced or deleted", label, f"share, {variant} papers{note}"
+            )
+            paths.append(path)
+    return paths
+
+
+def targets_check(summary: list[dict[str, Any]], lookups: list[dict[str, Any]]) -> str:
+    """The issue's targets, checked on this run's figures."""
+    lines = ["## Targets (this run)\n"]
+    by = {(s["variant"], s["edit_pct"], s["method"]): s for s in summary}
+    for (variant, edit, method), s in sorted(by.items()):
+        if method != "share_decay" or edit > 10 or s["prompt_tokens"] < 3000:
+            continue
+        full = by.get((variant, edit, "full"))
+        delta = s["rougeL_ref"] - full["rougeL_ref"] if full else float("nan")
+        lines.append(
+            f"- {variant}, {edit}% edited, {s['prompt_tokens']:.0f} tokens: TTFT {s['ttft_ratio']:.2f}x "
+            f"(target >= 5x: {'met' if s['ttft_ratio'] >= 5 else 'NOT met'}), ROUGE-L {s['rougeL_ref']:.2f} vs "
+            f"full {full['rougeL_ref'] if full else float('nan'):.2f} (delta {delta:+.2f}; target within 1: "
+            f"{'met' if abs(delta) <= 1 else 'NOT met'})"
+        )
+    for row in lookups:
+        lines.append(
+            f"- index lookup at {row['prompts']} prompts: median {row['lookup_ms_median']:.3f} ms "
+            f"(+ signature {row['signature_ms_median']:.3f} ms; target < 5 ms: "
+            f"{'met' if row['lookup_ms_median'] + row['signature_ms_median'] < 5 else 'NOT met'})"
+        )
+    return "\n".join(lines) + "\n"
