@@ -1,0 +1,157 @@
+"""Every supported family through every path: one parametrized matrix over tiny random models.
+
+Families: ``TINY_FAMILIES`` (Llama, Qwen2, Mistral, Gemma 3 — the Gemma config has a
+sliding layer with a window of 8 and a global layer, so every prompt here runs far past
+the window). Each path is checked with its issue's exactness criterion, against HF or
+against full prefill / dense decoding on the same engine:
+
+* prefill + decode: last prompt logits == HF (fp32, atol 1e-4), greedy tokens == HF ``generate``;
+* prefix reuse: the same prompt again, and a longer one sharing its blocks, reuse stored
+  blocks and give the full-prefill logits and tokens;
+* blend at ``recompute_ratio=1.0`` == full prefill of the same layout;
+* share recomputing every row (constant ratio 1.0) == full prefill of the edited prompt;
+* every sparse policy at a budget covering every block == dense (through the engine, and
+  through the fast-tier gather path with ``dense_when_covered=False``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_FAMILIES, tiny_hf_model
+
+from semkv.config import EngineConfig, StoreConfig
+from semkv.engine import Engine
+from semkv.request import GenerateRequest
+from semkv.reuse.share import ShareConfig
+from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, capture_prefill_queries, make_policy
+
+ATOL = 1e-4
+NEW_TOKENS = 8
+PROMPT = (
+    "The committee met on Tuesday to review the budget for the new library. Members argued about the "
+    "roof, the heating system and the children's reading room, and agreed to ask the architect for a "
+    "cheaper design before the next meeting in March. What did the committee agree to do?"
+)
+CHUNKS = [
+    "Marta grew tomatoes on her balcony every summer and gave most of them to her neighbours.",
+    "The old bridge over the river was closed in 1998 after a flood weakened its stone pillars.",
+]
+QUESTION = "When was the old bridge closed, and why?"
+EDITED = PROMPT.replace("the roof, the heating system", "the windows, the lifts")
+
+
+@pytest.fixture(params=TINY_FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+def _same(a, b) -> None:
+    """Two generations agree: first logits within ATOL, identical tokens."""
+    torch.testing.assert_close(a.first_logits, b.first_logits, atol=ATOL, rtol=0)
+    assert a.token_ids == b.token_ids
+
+
+def _run(engine, **kw):
+    return engine.generate(max_new_tokens=NEW_TOKENS, stop_at_eos=False, **kw)
+
+
+def test_prefill_and_decode_match_hf(family, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False)
+    g = _run(engine, prompt=PROMPT, reuse="none")
+    ids = engine.layout(GenerateRequest(prompt=PROMPT)).token_ids
+    model = engine.hf_model
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, -1]
+    expected = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
+    torch.testing.assert_close(g.first_logits, reference, atol=ATOL, rtol=0)
+    assert g.token_ids == expected
+
+
+def test_prefix_reuse_is_exact(family, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False)
+    longer = PROMPT + " Answer in one short sentence, please."
+    full_longer = _run(engine, prompt=longer, reuse="none", store_prompt=False)
+    first = _run(engine, prompt=PROMPT, reuse="none")  # stores its blocks
+    again = _run(engine, prompt=PROMPT, reuse="prefix")
+    assert again.stats["path"] == "prefix" and again.stats["reused_tokens"] > 0
+    _same(again, first)
+    extended = _run(engine, prompt=longer, reuse="prefix")
+    assert extended.stats["path"] == "prefix" and extended.stats["reused_tokens"] > 0
+    _same(extended, full_longer)
+
+
+def test_blend_at_full_ratio_is_full_prefill(family, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False)
+    engine.add_chunks(CHUNKS)
+    full = _run(engine, prompt=QUESTION, chunks=CHUNKS, reuse="none", store_prompt=False)
+    blend = _run(
+        engine, prompt=QUESTION, chunks=CHUNKS, reuse="blend", recompute_ratio=1.0, store_prompt=False
+    )
+    assert blend.stats["path"] == "blend"
+    _same(blend, full)
+
+
+def test_share_recomputing_everything_is_full_prefill(family, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False)
+    config = ShareConfig(min_tokens=16, min_aligned_after_prefix=8, schedule="constant", constant_ratio=1.0)
+    _run(engine, prompt=PROMPT, reuse="none", share=config)  # remembered for sharing
+    full = _run(engine, prompt=EDITED, reuse="none", store_prompt=False)
+    shared = _run(engine, prompt=EDITED, reuse="share", share=config, store_prompt=False)
+    assert shared.stats["path"] == "share", shared.stats.get("refused")
+    _same(shared, full)
+
+
+@pytest.fixture(scope="module")
+def dense_runs(tmp_path_factory, tokenizer):
+    """Per family (built once): an engine, its dense generation and its dense per-step decode logits."""
+    runs: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in runs:
+            config = EngineConfig(
+                model=family,
+                home=tmp_path_factory.mktemp(family),
+                kv_dtype="float32",
+                block_size=4,
+                store=StoreConfig(disk=False),
+            )
+            engine = Engine(config, tiny_hf_model(family, len(tokenizer)), tokenizer, name=f"tiny-{family}")
+            dense = _run(engine, prompt=PROMPT, reuse="none", store_prompt=False)
+            runs[family] = (engine, dense, _teacher_forced(engine, dense.token_ids, None))
+        return runs[family]
+
+    return get
+
+
+def _teacher_forced(engine, tokens: list[int], decoder: SparseDecoder | None) -> torch.Tensor:
+    """Per-step decode logits [steps, V] after a full prefill of PROMPT, feeding ``tokens``."""
+    runtime = engine.runtime
+    ids = engine.layout(GenerateRequest(prompt=PROMPT)).token_ids
+    cache = runtime.new_cache(len(ids) + len(tokens))
+    with capture_prefill_queries(runtime, cache, window=8, stride=16) as captured:
+        runtime.prefill(cache, ids)
+    if decoder is not None:
+        decoder.prefill = captured
+    return torch.stack([runtime.decode(cache, token, decoder) for token in tokens])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_sparse_at_full_budget_is_dense(family, policy, dense_runs):
+    engine, dense, dense_logits = dense_runs(family)
+    sparse = _run(engine, prompt=PROMPT, reuse="none", store_prompt=False, sparse=policy, kv_budget=1.0)
+    _same(sparse, dense)
+    # The same through the fast tier's gather path (not the dense shortcut), per-step logits.
+    config = SparseConfig(kv_budget=1.0, window_tokens=6, dense_when_covered=False)
+    decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
+    torch.testing.assert_close(
+        _teacher_forced(engine, dense.token_ids, decoder), dense_logits, atol=ATOL, rtol=0
+    )
+    if policy != "dense":
+        assert decoder.records and all(r.selected for r in decoder.records)
