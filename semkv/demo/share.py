@@ -22,9 +22,10 @@ def run(engine) -> dict:
     earlier = f"{EARLIER}\n\n{paper}"
     later = f"{PARAPHRASE}\n\n{paper}"
     print(f"earlier request : {EARLIER!r} + a paper from ACLSum")
-    first = engine.generate(prompt=earlier, max_new_tokens=1, reuse="none")
+    first = engine.generate(prompt=earlier, max_new_tokens=1)
     print(
-        f"  full prefill of {first.stats['prompt_tokens']} tokens: {first.stats['ttft_s']:.2f} s (remembered)"
+        f"  {first.stats['prompt_tokens']} tokens, served by {first.stats['path']} in {first.stats['ttft_s']:.2f} s"
+        " (its KV and token signatures are remembered)"
     )
     print(f"later request   : {PARAPHRASE!r} + the same paper")
     full = engine.generate(prompt=later, max_new_tokens=40, reuse="none", store_prompt=False)
