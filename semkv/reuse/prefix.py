@@ -57,7 +57,7 @@ def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip
     digests = prefix_digests(ctx.fingerprint, size, token_ids)
     written = 0
     for index in range(skip_blocks, len(keys)):
-        if ctx.store.contains(keys[index]):
+        if ctx.store.held_by_all(keys[index]):  # not contains(): re-publish to a tier that lost it
             continue
         k, v = cache.export(index * size, (index + 1) * size)
         parent = keys[index - 1] if index else None

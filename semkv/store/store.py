@@ -133,6 +133,23 @@ class KVStore:
                 self._tier_failed(tier, "lookup", key, exc)
         return False
 
+    def held_by_all(self, key: EntryKey) -> bool:
+        """Whether every reachable tier holds ``key`` (a tier that is down is skipped).
+
+        Write-through callers use this, not :meth:`contains`, to decide whether to store:
+        an entry kept only in memory while Redis (or the disk) was failing is written to
+        it again once it is back, so other processes can reuse it.
+        """
+        for tier in self.tiers:
+            if getattr(tier, "available", True) is False:
+                continue
+            try:
+                if key not in tier:
+                    return False
+            except Exception as exc:
+                self._tier_failed(tier, "lookup", key, exc)
+        return True
+
     def _put_into(self, tier: Tier, entry: KVEntry) -> bool:
         try:
             return bool(tier.put(entry))
