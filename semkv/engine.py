@@ -224,5 +224,15 @@ class Engine:
             generated.pop()
         return generated, time.perf_counter() - start
 
+    def add_chunks(self, texts: list[str], config: Any = None) -> list[str]:
+        """Precompute and store each text's position-independent KV for CacheBlend; returns chunk keys.
+
+        config: a ``semkv.reuse.blend.BlendConfig`` (its ``sink`` decides how chunks are computed).
+        """
+        from semkv.reuse.blend import add_chunks
+
+        with self._lock:
+            return list(add_chunks(self.ctx, texts, config))
+
     def close(self) -> None:
         self.store.close()

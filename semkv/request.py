@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-REUSE_MODES = ("auto", "none", "prefix", "share")
+REUSE_MODES = ("auto", "none", "prefix", "share", "blend")
 MAX_NEW_TOKENS_LIMIT = 8192
 
 
@@ -34,9 +34,11 @@ class GenerateRequest:
     seed: int = 0
     stop_at_eos: bool = True
     store_prompt: bool = True  # keep this prompt's KV in the store for later requests
+    share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
+    recompute_ratio: float | None = None  # reuse="blend": fraction of cached chunk tokens recomputed
+    blend: Any = None  # semkv.reuse.blend.BlendConfig (or a dict of its fields) for reuse="blend"/"auto"
     sparse: Any = None  # sparse decode policy: None/"dense", a name in semkv.sparse.POLICIES, or a SparsePolicy
     kv_budget: float | int = 0.1  # sparse decode: blocks per step, a fraction of the context or a token count
-    share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -61,6 +63,18 @@ class GenerateRequest:
             self.share = ShareConfig(**self.share) if isinstance(self.share, dict) else self.share
             if not isinstance(self.share, ShareConfig):
                 raise ValueError(f"share must be a ShareConfig or a dict, got {type(self.share).__name__}")
+        if self.recompute_ratio is not None and (
+            isinstance(self.recompute_ratio, bool)
+            or not isinstance(self.recompute_ratio, (int, float))
+            or not 0.0 <= self.recompute_ratio <= 1.0
+        ):
+            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
+        if self.blend is not None:
+            from semkv.reuse.blend import BlendConfig  # lazy: semkv.reuse imports this module
+
+            self.blend = BlendConfig(**self.blend) if isinstance(self.blend, dict) else self.blend
+            if not isinstance(self.blend, BlendConfig):
+                raise ValueError(f"blend must be a BlendConfig or a dict, got {type(self.blend).__name__}")
         from semkv.sparse import SparsePolicy, validate_sparse  # lazy, like share/blend above
 
         validate_sparse(None if isinstance(self.sparse, SparsePolicy) else self.sparse, self.kv_budget)

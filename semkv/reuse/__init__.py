@@ -1,6 +1,6 @@
 """Prefill paths. Importing this package registers every built-in path."""
 
-from semkv.reuse import full, prefix, share  # noqa: F401  (registration)
+from semkv.reuse import blend, full, prefix, share  # noqa: F401  (registration)
 from semkv.reuse.base import (
     POST_PREFILL_HOOKS,
     REUSE_PATHS,

@@ -1,0 +1,368 @@
+"""CacheBlend: reuse precomputed document (chunk) KV at any position, with selective recompute.
+
+Chunk precompute
+    A chunk's KV is computed once, on its own, and stored as a position-independent
+    :data:`EntryKind.CHUNK` entry under ``chunk_key(fingerprint, token_ids)`` (no parent):
+    pre-RoPE keys and values [L, kvh, n, d] of its tokens at local positions.
+
+    Attention sink. A chunk computed alone makes its own first token the attention
+    sink: every later token of the chunk dumps attention mass there, and in the blended
+    prompt (where the real sink is the template's first token) those first rows are the
+    most wrong. So by default (``sink="template"``) a chunk is computed *after* the
+    model's default chat-template prefix (system turn + user header, the same tokens that
+    precede the first chunk in a real prompt) and that prefix's KV is dropped; ``"bos"``
+    uses only the BOS token; ``"none"`` computes the chunk alone. The sink tokens' digest
+    is kept in the entry's metadata and checked on every hit: a chunk made with another
+    sink is a miss. With the template sink, the first chunk of a default-template prompt
+    is exactly what full prefill computes (pre-RoPE KV depends on relative positions only).
+    ``semkv bench blend`` measures the three (see the report).
+
+Prefill (the blend)
+    1. the longest exact prefix hit (``reuse/prefix.py``) is loaded as exact prefix reuse,
+       never blended (it usually covers the template, sometimes the first chunk(s));
+    2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_rows`
+       re-applies RoPE to the stored pre-RoPE keys: exact);
+    3. the uncached rows (template rest, separators, body, suffix, chunks not stored) are
+       appended and always recomputed (``forced``);
+    4. :meth:`Runtime.forward_rows` with a :class:`DeviationSelector`: layers before the
+       check layer recompute every row (layer 0 always); at the check layer the top
+       ``recompute_ratio`` of the cached rows by KV deviation (fresh vs reused) go on with
+       the forced rows; the rest keep their reused KV. Optional gradual filtering narrows
+       the set over three layers (2r, 1.5r, r).
+
+The outcome is never exact (``exact=False``): blended KV is never stored as prefix
+blocks. After the first token, the exact rows before the first reused chunk row are
+stored as prefix blocks, and chunks that were not stored are precomputed and stored
+(a post-prefill hook, so it is not in TTFT).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from semkv.models.cache import KVCache
+from semkv.prompt import PromptLayout, build_layout
+from semkv.request import GenerateRequest
+from semkv.reuse.base import (
+    POST_PREFILL_HOOKS,
+    Plan,
+    PrefillContext,
+    PrefillOutcome,
+    Refusal,
+    register_path,
+)
+from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
+from semkv.reuse.selective import DeviationOn, DeviationSelector
+from semkv.store.entry import KVEntry
+from semkv.store.keys import EntryKey, EntryKind, chunk_key
+
+log = logging.getLogger(__name__)
+
+SinkMode = Literal["template", "bos", "none"]
+SINK_MODES: tuple[str, ...] = ("template", "bos", "none")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How a blend recomputes.
+
+    recompute_ratio: fraction of the *cached* chunk tokens recomputed after the check layer
+        (uncached tokens are always recomputed). 0 = full reuse (naive concatenation of the
+        stored caches), 1 = every token recomputed (= full prefill).
+    check_layer: the layer whose KV deviation picks the tokens (layers before it recompute
+        every token; layer 0 always does). >= 1.
+    deviation_on: compare keys ("k", LMCache v1), values ("v", the paper's code) or both.
+    gradual: the paper's gradual filtering: keep 2r at the check layer, 1.5r at the next,
+        r from the one after (each step picks from the survivors by their new deviation).
+    sink: how chunks are precomputed (see the module docstring): after the default chat
+        template prefix, after BOS, or alone.
+    """
+
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    deviation_on: DeviationOn = "k"
+    gradual: bool = False
+    sink: SinkMode = "template"
+
+    def __post_init__(self) -> None:
+        ratio = self.recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
+        if (
+            isinstance(self.check_layer, bool)
+            or not isinstance(self.check_layer, int)
+            or self.check_layer < 1
+        ):
+            raise ValueError(f"check_layer must be an int >= 1, got {self.check_layer!r}")
+        if self.deviation_on not in ("k", "v", "kv"):
+            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+        if self.sink not in SINK_MODES:
+            raise ValueError(f"sink must be one of {SINK_MODES}, got {self.sink!r}")
+
+    def schedule(self, num_layers: int) -> dict[int, float]:
+        """layer -> fraction of cached rows kept from that layer on (for :class:`DeviationSelector`)."""
+        r = float(self.recompute_ratio)
+        if r == 0.0:
+            # Nothing cached is recomputed anywhere: drop the cached rows at layer 0 (whose KV
+            # depends on the token alone), which is exactly a naive concatenation of the caches.
+            return {0: 0.0}
+        last = num_layers - 1
+        if not self.gradual:
+            return {min(self.check_layer, last): r}
+        steps = (min(1.0, 2 * r), min(1.0, 1.5 * r), r)
+        out: dict[int, float] = {}
+        for i, ratio in enumerate(steps):
+            out[min(self.check_layer + i, last)] = ratio
+        return out
+
+
+def resolve_config(ctx: PrefillContext, request: GenerateRequest) -> BlendConfig:
+    """The request's blend settings: ``request.blend`` or the engine default, ``recompute_ratio=`` on top."""
+    base = request.blend if request.blend is not None else ctx.settings.get("blend")
+    config = base if isinstance(base, BlendConfig) else BlendConfig()
+    if request.recompute_ratio is not None:
+        config = replace(config, recompute_ratio=float(request.recompute_ratio))
+    return config
+
+
+# -- chunks ---------------------------------------------------------------------------------------
+
+
+def sink_tokens(ctx: PrefillContext, sink: SinkMode) -> list[int]:
+    """The tokens a chunk is precomputed after (their KV is dropped)."""
+    if sink == "none":
+        return []
+    if sink == "bos":
+        bos = getattr(ctx.tokenizer, "bos_token_id", None)
+        return [int(bos)] if bos is not None else []
+    layout = build_layout(ctx.tokenizer, prompt="x")
+    first = layout.segments[0]
+    if first.kind == "template" and first.token_ids:
+        return list(first.token_ids)
+    bos = getattr(ctx.tokenizer, "bos_token_id", None)
+    return [int(bos)] if bos is not None else []
+
+
+def _digest(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()[:16]
+
+
+def lookup_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int]) -> KVEntry | None:
+    """The stored chunk for ``token_ids`` made by this model (fingerprint) with these sink tokens, or None."""
+    entry = ctx.store.get(chunk_key(ctx.fingerprint, token_ids), token_ids, EntryKind.CHUNK)
+    if entry is None:
+        return None
+    if entry.meta.get("sink_digest") != _digest(sink_ids):
+        log.info("stored chunk %s was made with another attention sink; treated as a miss", entry.key[:12])
+        return None
+    return entry
+
+
+def precompute_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int]) -> KVEntry:
+    """Compute a chunk's KV after ``sink_ids`` (dropped) and return it as a CHUNK entry (not stored).
+
+    Entry k, v: [L, kvh, n, d] pre-RoPE keys / values in the KV dtype.
+    """
+    ids, sink = [int(t) for t in token_ids], [int(t) for t in sink_ids]
+    runtime = ctx.runtime
+    cache = runtime.new_cache(len(sink) + len(ids))
+    runtime.prefill(cache, sink + ids)
+    k, v = cache.export(len(sink), len(sink) + len(ids))
+    return KVEntry(
+        chunk_key(ctx.fingerprint, ids),
+        EntryKind.CHUNK,
+        ctx.fingerprint,
+        ids,
+        k,
+        v,
+        meta={"sink_digest": _digest(sink), "sink_tokens": len(sink)},
+    )
+
+
+def _tokenize(ctx: PrefillContext, text: str) -> list[int]:
+    return list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def add_chunks(
+    ctx: PrefillContext, texts: Sequence[str], config: BlendConfig | None = None
+) -> list[EntryKey]:
+    """Precompute and store each text's position-independent KV; return their chunk keys.
+
+    Every text is validated and tokenized before any compute: a non-string, an empty text
+    or one longer than the model's context is a ``ValueError``. Texts already stored are
+    not recomputed.
+    """
+    if isinstance(texts, str):
+        raise ValueError("add_chunks takes a list of texts, not one string")
+    config = config or BlendConfig()
+    sink = sink_tokens(ctx, config.sink)
+    limit = int(ctx.runtime.adapter.max_positions)
+    tokenized: list[list[int]] = []
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"chunk {index} must be a str, got {type(text).__name__}")
+        ids = _tokenize(ctx, text)
+        if not ids:
+            raise ValueError(f"chunk {index} is empty")
+        if len(ids) + len(sink) > limit:
+            raise ValueError(
+                f"chunk {index} has {len(ids)} tokens (+{len(sink)} sink tokens), more than the model's "
+                f"context of {limit}"
+            )
+        tokenized.append(ids)
+    keys = []
+    for ids in tqdm(tokenized, desc="precompute chunks", unit="chunk", disable=len(tokenized) < 4):
+        if lookup_chunk(ctx, ids, sink) is None:
+            ctx.store.put(precompute_chunk(ctx, ids, sink))
+        keys.append(chunk_key(ctx.fingerprint, ids))
+    return keys
+
+
+# -- the path ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlendPlan(Plan):
+    """prefix_tokens: rows loaded as exact prefix reuse (from ``prefix_blocks``).
+    chunks: per chunk segment of the layout (in order), its stored entry or None (a miss)."""
+
+    config: BlendConfig = field(default_factory=BlendConfig)
+    prefix_blocks: list[KVEntry] = field(default_factory=list)
+    prefix_tokens: int = 0
+    chunks: list[KVEntry | None] = field(default_factory=list)
+    misses: int = 0
+
+
+class BlendReuse:
+    name = "blend"
+
+    def plan(
+        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
+    ) -> BlendPlan | Refusal:
+        config = resolve_config(ctx, request)
+        spans = layout.chunk_spans()
+        if not any(seg.token_ids for seg, _, _ in spans):
+            return Refusal(self.name, "no context chunks")
+        token_ids = layout.token_ids
+        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids)
+        prefix = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
+        blocks = blocks[: math.ceil(prefix / ctx.block_size)] if prefix > 0 else []
+        sink = sink_tokens(ctx, config.sink)
+        chunks: list[KVEntry | None] = []
+        loaded = misses = 0
+        for seg, start, end in spans:
+            wanted = bool(seg.token_ids) and end > prefix
+            entry = lookup_chunk(ctx, seg.token_ids, sink) if wanted else None
+            chunks.append(entry)
+            if entry is not None:
+                loaded += end - max(start, prefix)
+            misses += wanted and entry is None
+        if loaded == 0 and (request.reuse != self.name or misses == 0):
+            # Under "auto" a blend without stored chunks reuses nothing; asked for explicitly, the
+            # missing chunks are computed in place (exact) and stored after the first token.
+            return Refusal(self.name, "no stored chunk beyond the exact prefix")
+        reused = prefix + int(loaded * (1.0 - config.recompute_ratio))
+        return BlendPlan(self.name, layout, reused, config, blocks, max(prefix, 0), chunks, misses)
+
+    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+        assert isinstance(plan, BlendPlan)
+        runtime, layout = ctx.runtime, plan.layout
+        held = [b.key for b in plan.prefix_blocks] + [c.key for c in plan.chunks if c is not None]
+        forced: list[bool] = []
+        with ctx.store.pinned(held):
+            if plan.prefix_tokens:
+                load_prefix(ctx, cache, plan.prefix_blocks, plan.prefix_tokens)
+            start = cache.length
+            chunk_index = 0
+            for seg, s, e in layout.spans():
+                entry = None
+                if seg.kind == "chunk":
+                    entry = plan.chunks[chunk_index]
+                    chunk_index += 1
+                if e <= plan.prefix_tokens:
+                    continue
+                first = max(s, plan.prefix_tokens)
+                positions = torch.arange(first, e, device=runtime.device)
+                ids = seg.token_ids[first - s :]
+                if entry is not None:
+                    runtime.load_rows(
+                        cache, entry.k[:, :, first - s :], entry.v[:, :, first - s :], positions, ids
+                    )
+                else:
+                    _append_blank_rows(cache, positions, ids)
+                forced.extend([entry is None] * (e - first))
+        selector = DeviationSelector(
+            torch.tensor(forced, dtype=torch.bool),
+            plan.config.schedule(runtime.num_layers),
+            plan.config.deviation_on,
+        )
+        logits = runtime.forward_rows(cache, start, selector)
+        recomputed_rows = (selector.recomputed_rows() + start).tolist()
+        num_forced = sum(forced)
+        blended = len(forced) - num_forced
+        recomputed = len(recomputed_rows)
+        first_reused = start + next((i for i, f in enumerate(forced) if not f), len(forced))
+        hits = sum(c is not None for c in plan.chunks)
+        info: dict[str, Any] = {
+            "prefix_tokens": plan.prefix_tokens,
+            "chunk_hits": hits,
+            "chunk_misses": plan.misses,
+            "blend_cached_tokens": blended,
+            "blend_selected_tokens": recomputed - num_forced,
+            "recompute_ratio": plan.config.recompute_ratio,
+            "deviation_on": plan.config.deviation_on,
+            "check_layer": plan.config.check_layer,
+            "recomputed_rows": recomputed_rows,
+            "exact_prefix_rows": first_reused,
+        }
+        return PrefillOutcome(
+            logits,
+            self.name,
+            reused_tokens=len(layout) - recomputed,
+            recomputed_tokens=recomputed,
+            exact=False,
+            info=info,
+        )
+
+
+def _append_blank_rows(cache: KVCache, positions: torch.Tensor, token_ids: list[int]) -> None:
+    """Append rows that hold no reused KV (zeros until the forward writes their fresh KV)."""
+    start = cache.append_rows(positions, token_ids)
+    rows = slice(start, start + len(token_ids))
+    zeros = torch.zeros(cache.num_kv_heads, len(token_ids), cache.head_dim, device=cache.device)
+    for layer in range(cache.num_layers):
+        cache.write(layer, rows, zeros, zeros, zeros)
+
+
+def store_after_blend(
+    ctx: PrefillContext,
+    request: GenerateRequest,
+    layout: PromptLayout,
+    cache: KVCache,
+    outcome: PrefillOutcome,
+) -> None:
+    """Post-prefill hook (after the first token): store the exact rows before the first blended row as
+    prefix blocks, and precompute + store the chunks that missed."""
+    if outcome.path != BlendReuse.name:
+        return
+    exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
+    if exact_rows >= ctx.block_size:
+        store_prefix(ctx, cache, layout.token_ids[:exact_rows])
+    if outcome.info.get("chunk_misses"):
+        config = resolve_config(ctx, request)
+        sink = sink_tokens(ctx, config.sink)
+        for seg, _, _ in layout.chunk_spans():
+            if seg.token_ids and lookup_chunk(ctx, seg.token_ids, sink) is None:
+                ctx.store.put(precompute_chunk(ctx, seg.token_ids, sink))
+
+
+register_path(BlendReuse())
+POST_PREFILL_HOOKS.append(store_after_blend)
