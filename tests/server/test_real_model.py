@@ -1,0 +1,47 @@
+"""The server over the real SmolLM2, called with the official ``openai`` client (few tokens)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from semkv.server import create_app
+
+pytestmark = pytest.mark.real_model
+
+DOC = "Ilse Varga is the head librarian of the Tromso public library. She catalogued 9,412 maps in 2019."
+QUESTION = "Who is the head librarian of the Tromso public library?"
+
+
+def test_openai_client_against_smollm2(make_smol_engine):
+    """A factual chat answer; a document uploaded once then blended, answering like full prefill."""
+    engine = make_smol_engine()
+    with TestClient(create_app(engine)) as http:
+        oai = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        )
+        model = oai.models.list().data[0].id
+        answer = oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8,
+        )
+        assert "Paris" in answer.choices[0].message.content
+        doc_id = http.post("/v1/documents", json={"input": DOC}).json()["data"][0]["id"]
+        runs = {}
+        for reuse in ("none", "blend"):
+            runs[reuse] = oai.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=6,
+                extra_body={"semkv": {"documents": [doc_id], "reuse": reuse, "store_prompt": False}},
+            )
+        full, blended = runs["none"], runs["blend"]
+        assert "Ilse Varga" in full.choices[0].message.content
+        assert blended.model_extra["semkv"]["path"] == "blend"
+        assert (
+            blended.model_extra["semkv"]["reused_tokens"]
+            > 0.5 * full.model_extra["semkv"]["prompt_tokens"] - 40
+        )
+        assert blended.choices[0].message.content == full.choices[0].message.content
