@@ -28,20 +28,17 @@ def test_openai_client_against_smollm2(make_smol_engine):
             max_tokens=8,
         )
         assert "Paris" in answer.choices[0].message.content
-        doc_id = http.post("/v1/documents", json={"input": DOC}).json()["data"][0]["id"]
+        doc = http.post("/v1/documents", json={"input": DOC}).json()["data"][0]
         runs = {}
         for reuse in ("none", "blend"):
             runs[reuse] = oai.chat.completions.create(
                 model=model,
                 messages=[{"role": "user", "content": QUESTION}],
                 max_tokens=6,
-                extra_body={"semkv": {"documents": [doc_id], "reuse": reuse, "store_prompt": False}},
+                extra_body={"semkv": {"documents": [doc["id"]], "reuse": reuse, "store_prompt": False}},
             )
         full, blended = runs["none"], runs["blend"]
         assert "Ilse Varga" in full.choices[0].message.content
         assert blended.model_extra["semkv"]["path"] == "blend"
-        assert (
-            blended.model_extra["semkv"]["reused_tokens"]
-            > 0.5 * full.model_extra["semkv"]["prompt_tokens"] - 40
-        )
+        assert blended.model_extra["semkv"]["reused_tokens"] >= 0.8 * doc["tokens"]  # 15% recomputed
         assert blended.choices[0].message.content == full.choices[0].message.content
