@@ -1,0 +1,319 @@
+"""Serving: a RAG workload from concurrent clients against a local server, with and without reuse.
+
+Each request asks a question over ``--docs-per-request`` documents drawn (seeded) from a pool of
+Paul Graham essay excerpts of ``--doc-tokens`` tokens. The same requests run twice against one
+server, from ``--clients`` concurrent streaming clients:
+
+* ``full``: documents inline, ``reuse="none"``, nothing stored — every prompt token prefilled;
+* ``reuse``: documents uploaded once (``POST /v1/documents``, timed on its own), then named by id,
+  ``reuse="auto"`` (blend / prefix / share, whichever reuses most).
+
+Reported per mode: requests/s, client-side TTFT p50/p99 (request sent -> first streamed text,
+queueing included), server prefill median, tokens reused / recomputed, the paths taken, and the
+agreement of each answer with the same request's full-prefill answer (quality, same run).
+A warm-up request is excluded. Without ``--url`` a ``semkv serve`` subprocess is started with a
+fresh home (its own empty store) on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from semkv.bench.data import essays, text_of_tokens
+from semkv.bench.report import median, write_results
+from semkv.config import default_home
+
+log = logging.getLogger(__name__)
+
+QUESTIONS = [
+    "What is the main argument of these passages? Answer in one sentence.",
+    "Which passage is most about startups, and why?",
+    "Name one piece of advice given in the passages.",
+    "What do these passages say about work?",
+    "Summarise the first passage in one sentence.",
+    "What is a surprising claim made in these passages?",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--port", type=int, default=0, help="port of the started server (0: a free one)")
+    p.add_argument("--redis", default=None, help="Redis URL for the started server")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients")
+    p.add_argument("--requests", type=int, default=16, help="requests per mode")
+    p.add_argument("--docs", type=int, default=8, help="documents in the pool")
+    p.add_argument("--docs-per-request", type=int, default=3)
+    p.add_argument("--doc-tokens", type=int, default=256, help="tokens per document")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--models-dir",
+        default=None,
+        help="converted models of the started server (default: the default home's, so a fresh home converts nothing)",
+    )
+
+
+@dataclass
+class Outcome:
+    index: int
+    ttft_s: float
+    latency_s: float
+    text: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """``semkv serve`` in a subprocess with a fresh home; stopped on exit."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
+        port = args.port or _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        models_dir = args.models_dir or str(default_home() / "models")
+        cmd = [sys.executable, "-m", "semkv.cli", "serve", "--model", args.model, "--home", str(self.home)]
+        cmd += ["--port", str(port), "--models-dir", models_dir, "--kv-dtype", args.kv_dtype]
+        cmd += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
+        if args.redis:
+            cmd += ["--redis", args.redis]
+        self.log_path = self.home / "serve.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"semkv serve exited: {self.log_path.read_text(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout} s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def _tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    from semkv.models.loader import resolve_checkpoint
+
+    home = Path(args.home).expanduser() if args.home else default_home()
+    models_dir = Path(args.models_dir) if args.models_dir else default_home() / "models"
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(args.model, home, models_dir))
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[str], list[tuple[list[int], str]]]:
+    """(document pool, requests as (document indices, question)), seeded."""
+    tokenizer = _tokenizer(args)
+    names = sorted(essays())
+    if args.docs > len(names):
+        raise ValueError(f"--docs must be <= {len(names)}")
+    if not 1 <= args.docs_per_request <= args.docs:
+        raise ValueError("--docs-per-request must be in [1, --docs]")
+    rng = random.Random(args.seed)
+    picked = rng.sample(names, args.docs)
+    docs = [text_of_tokens(tokenizer, essays()[n].strip(), args.doc_tokens) for n in picked]
+    requests = [
+        (rng.sample(range(args.docs), args.docs_per_request), QUESTIONS[i % len(QUESTIONS)])
+        for i in range(args.requests)
+    ]
+    return docs, requests
+
+
+def stream_one(
+    client: httpx.Client, model: str, body_extra: dict[str, Any], question: str, index: int
+) -> Outcome:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": body_extra.pop("max_tokens"),
+        "temperature": 0,
+        "stream": True,
+        "semkv": body_extra,
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    stats: dict[str, Any] = {}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"request {index}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"request {index}: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    first = first if first is not None else time.perf_counter()
+                    parts.append(content)
+            stats = chunk.get("semkv", stats)
+    end = time.perf_counter()
+    return Outcome(index, (first if first is not None else end) - start, end - start, "".join(parts), stats)
+
+
+def run_mode(
+    base: str, model: str, args: argparse.Namespace, payloads: list[tuple[dict[str, Any], str]]
+) -> tuple[list[Outcome], float]:
+    """All requests from ``args.clients`` concurrent clients; returns outcomes (in request order) and wall s."""
+    with httpx.Client(base_url=base, timeout=600) as client, ThreadPoolExecutor(args.clients) as pool:
+        start = time.perf_counter()
+        futures = [
+            pool.submit(stream_one, client, model, {**extra, "max_tokens": args.max_tokens}, q, i)
+            for i, (extra, q) in enumerate(payloads)
+        ]
+        outcomes = [f.result() for f in futures]
+        return outcomes, time.perf_counter() - start
+
+
+def summarise(
+    mode: str, outcomes: list[Outcome], wall_s: float, reference: list[Outcome] | None
+) -> dict[str, Any]:
+    ttfts = [o.ttft_s for o in outcomes]
+    reused = sum(int(o.stats.get("reused_tokens", 0)) for o in outcomes)
+    recomputed = sum(int(o.stats.get("recomputed_tokens", 0)) for o in outcomes)
+    paths = Counter(str(o.stats.get("path", "?")) for o in outcomes)
+    row: dict[str, Any] = {
+        "mode": mode,
+        "requests": len(outcomes),
+        "requests_per_s": len(outcomes) / wall_s,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "prefill_median_s": median([float(o.stats.get("ttft_s", float("nan"))) for o in outcomes]),
+        "tokens_reused": reused,
+        "tokens_recomputed": recomputed,
+        "reused_fraction": reused / max(1, reused + recomputed),
+        "paths": " ".join(f"{p}:{n}" for p, n in sorted(paths.items())),
+    }
+    if reference is not None:
+        same = sum(o.text == r.text for o, r in zip(outcomes, reference, strict=True))
+        row["same_answer_as_full"] = same / len(outcomes)
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise ValueError("--clients, --requests and --max-tokens must be >= 1")
+    docs, requests = build_workload(args)
+    server = None if args.url else LocalServer(args)
+    try:
+        if server is not None:
+            server.wait_ready()
+        base = args.url or server.url  # type: ignore[union-attr]
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        warm = {"reuse": "none", "store_prompt": False, "chunks": ["A warm-up passage."], "max_tokens": 2}
+        with httpx.Client(base_url=base, timeout=600) as client:
+            stream_one(client, model, warm, "Warm up.", -1)
+
+        full_payloads = [
+            ({"chunks": [docs[i] for i in idx], "reuse": "none", "store_prompt": False}, q)
+            for idx, q in requests
+        ]
+        full, full_wall = run_mode(base, model, args, full_payloads)
+
+        start = time.perf_counter()
+        uploaded = httpx.post(f"{base}/v1/documents", json={"input": docs}, timeout=600).json()["data"]
+        upload_s = time.perf_counter() - start
+        ids = [d["id"] for d in uploaded]
+        reuse_payloads = [({"documents": [ids[i] for i in idx], "reuse": "auto"}, q) for idx, q in requests]
+        reuse, reuse_wall = run_mode(base, model, args, reuse_payloads)
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    finally:
+        if server is not None:
+            server.close()
+
+    rows = [summarise("full", full, full_wall, None), summarise("reuse", reuse, reuse_wall, full)]
+    ratios = {
+        "requests_per_s_ratio": rows[1]["requests_per_s"] / rows[0]["requests_per_s"],
+        "ttft_p50_ratio": rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"],
+        "ttft_p99_ratio": rows[1]["ttft_p99_s"] / rows[0]["ttft_p99_s"],
+    }
+    store = {
+        line.split(" ")[0]: float(line.split(" ")[-1])
+        for line in metrics.splitlines()
+        if line.startswith(
+            ("semkv_store_tier_hits_total", "semkv_store_tier_misses_total", "semkv_store_tier_bytes")
+        )
+    }
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "clients",
+            "requests",
+            "docs",
+            "docs_per_request",
+            "doc_tokens",
+            "max_tokens",
+            "seed",
+        )
+    }
+    config["server"] = args.url or "local subprocess (fresh home)"
+    notes = (
+        f"Document upload (precompute of {len(docs)} chunks): {upload_s:.3f} s, not counted in the reuse mode.\n\n"
+        f"reuse / full: requests/s x{ratios['requests_per_s_ratio']:.2f}, "
+        f"TTFT p50 x{ratios['ttft_p50_ratio']:.2f}, TTFT p99 x{ratios['ttft_p99_ratio']:.2f}; "
+        f"answers identical to full prefill: {rows[1]['same_answer_as_full']:.0%}.\n"
+    )
+    json_path, md_path = write_results(
+        args.out,
+        "serve",
+        rows,
+        config,
+        extra={
+            "ratios": ratios,
+            "upload_s": upload_s,
+            "documents": uploaded,
+            "store_metrics": store,
+            "answers": {"full": [o.text for o in full], "reuse": [o.text for o in reuse]},
+        },
+        notes=notes,
+    )
+    log.info("wrote %s and %s", json_path, md_path)
+    print(md_path.read_text())  # noqa: T201 - the bench's report on the terminal
+    return 0
