@@ -9,16 +9,13 @@ and for the store summed over both runs (the second run's disk hits show); it re
 removes nothing. ``cache verify`` checks every entry, reports the three damaged keys with reasons,
 moves them to quarantine, leaves every good entry byte-for-byte intact and exits 1; a second verify
 finds nothing and exits 0; a later ``generate`` recomputes and rewrites the removed blocks, with the
-same output. ``cache clear`` removes the store; a home that is a file is a clean error (exit 2); the
-real ``semkv`` entry point prints the same stats.
+same output. ``cache clear`` removes the store; a home that is a file is a clean error (exit 2).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from reliability_helpers import run_cli, save_tiny_checkpoint
@@ -121,17 +118,3 @@ def test_stats_of_an_empty_home_and_a_bad_home(tmp_path, capsys):
     (tmp_path / "file-home").write_text("x")
     code, out, err = cache("verify", tmp_path / "file-home", capsys)
     assert code == 2 and "file-home" in err and "Traceback" not in err
-
-
-def test_real_entry_point(tmp_path, checkpoint, capsys):
-    home = tmp_path / "home"
-    generate(home, checkpoint, capsys)
-    proc = subprocess.run(
-        [sys.executable, "-m", "semkv.cli", "cache", "stats", "--home", str(home)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    stats = json.loads(proc.stdout)
-    assert stats["entries"] > 0 and stats["usage"]["tiers"]["disk"]["writes"] == stats["entries"]

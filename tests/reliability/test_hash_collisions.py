@@ -3,7 +3,7 @@
 Injected: the key functions are monkeypatched to collide — (1) the prefix-block key ignores its
 parent (so a block after a *different* prefix but with equal tokens gets the same key: the case the
 token-id check alone cannot catch), (2) every block key is one constant, (3) keys truncated to one
-hex digit (16 buckets) under a seeded random workload of 12 prompts built from shared sentences,
+hex digit (16 buckets) under a seeded random workload of 8 prompts built from shared sentences,
 (4) chunk and prompt keys forced equal for different texts and kinds.
 
 Must happen: every generation equals the cache-less run of the same prompt (tokens and first-token
@@ -106,7 +106,7 @@ def test_every_block_key_equal(tmp_path, tokenizer, model, monkeypatch):
 
 
 def test_truncated_keys_random_workload(tmp_path, tokenizer, model, monkeypatch):
-    """16 key buckets for every kind of entry; 12 seeded prompts, each served twice."""
+    """16 key buckets for every kind of entry; 8 seeded prompts, each served twice."""
     sentences = [
         "The fox runs.",
         "A dog sleeps under the tree.",
@@ -115,7 +115,7 @@ def test_truncated_keys_random_workload(tmp_path, tokenizer, model, monkeypatch)
         "The river is cold.",
     ]
     rng = random.Random(42)
-    prompts = [" ".join(rng.choice(sentences) for _ in range(rng.randint(2, 5))) for _ in range(12)]
+    prompts = [" ".join(rng.choice(sentences) for _ in range(rng.randint(2, 5))) for _ in range(8)]
     refs = {p: reference(tmp_path, tokenizer, model, p, 1) for p in set(prompts)}
     real_hash = keys_module.hash_fields
 
