@@ -66,6 +66,10 @@ class LlamaFamilyAdapter:
         """Sliding-window size of ``layer`` (a query sees keys with q_pos - k_pos < window), or None."""
         return self._windows[layer]
 
+    def rope_group(self, layer: int) -> str:
+        """Layers of one group share one rotary table (every layer, for this family)."""
+        return "default"
+
     def scaling(self, layer: int) -> float:
         return float(self.layers[layer].self_attn.scaling)
 

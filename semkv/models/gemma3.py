@@ -78,6 +78,10 @@ class Gemma3Adapter(LlamaFamilyAdapter):
             return int(self.config.sliding_window)
         return None
 
+    def rope_group(self, layer: int) -> str:
+        """Sliding and full-attention layers use different rotary bases."""
+        return self.layer_types[layer]
+
     def rotary(self, positions: Tensor, layer: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """positions [T] -> (cos, sin) [T, d] from the rotary table of ``layer``'s type (local/global base)."""
         cos, sin = self.decoder.rotary_emb(like, positions.unsqueeze(0), self.layer_types[layer])

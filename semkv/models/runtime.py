@@ -100,6 +100,20 @@ def attention(
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
 
+class RopeTables:
+    """cos/sin [T, d] of fixed positions, computed once per rotary group of layers (not once per layer)."""
+
+    def __init__(self, adapter: LlamaFamilyAdapter, positions: Tensor, like: Tensor) -> None:
+        self.adapter, self.positions, self.like = adapter, positions, like
+        self.tables: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, layer: int) -> tuple[Tensor, Tensor]:
+        group = self.adapter.rope_group(layer)
+        if group not in self.tables:
+            self.tables[group] = self.adapter.rotary(self.positions, layer, self.like)
+        return self.tables[group]
+
+
 class Runtime:
     """Prefill and decode over one model through its family adapter (batch of one sequence)."""
 
@@ -142,9 +156,12 @@ class Runtime:
         """
         start = cache.append_rows(positions.to(cache.device), token_ids)
         rows = slice(start, start + positions.shape[0])
+        tables = RopeTables(
+            self.adapter, positions.to(cache.device), torch.empty(0, dtype=self.compute_dtype)
+        )
         for layer in range(self.num_layers):
             kp = k_pre[layer].to(self.kv_dtype)
-            cache.write(layer, rows, kp, self.rope(kp, positions, layer), v[layer])
+            cache.write(layer, rows, kp, apply_rope(kp.to(self.compute_dtype), *tables(layer)), v[layer])
         return start
 
     # -- the layer loop ---------------------------------------------------------------------------
@@ -164,6 +181,7 @@ class Runtime:
         token_ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=self.device)
         hidden = a.embed(token_ids).to(self.compute_dtype)
         active = torch.arange(count, device=self.device)
+        tables = RopeTables(a, positions, hidden)
         fresh_prefix = (
             start == 0
             and selector is None
@@ -173,7 +191,9 @@ class Runtime:
             q, k, v = a.qkv(layer, hidden)
             rows = active + start
             q_pos = positions[active]
-            cos, sin = a.rotary(q_pos, layer, q)
+            cos, sin = tables(layer)
+            if active.numel() != count:
+                cos, sin = cos[active], sin[active]
             k_pre = k.to(self.kv_dtype)
             k_rot = apply_rope(k_pre.to(self.compute_dtype), cos, sin)
             if selector is None:
@@ -247,9 +267,10 @@ class Runtime:
         row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
         pos = cache.positions[row : row + 1]
         hidden = a.embed(torch.tensor([token_id], device=self.device)).to(self.compute_dtype)
+        tables = RopeTables(a, pos, hidden)
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)
-            cos, sin = a.rotary(pos, layer, q)
+            cos, sin = tables(layer)
             k_pre = k.to(self.kv_dtype)
             cache.write(
                 layer, slice(row, row + 1), k_pre, apply_rope(k_pre.to(self.compute_dtype), cos, sin), v
