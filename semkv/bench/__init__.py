@@ -5,9 +5,19 @@ Benchmarks never run in the test suite.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import importlib
 import importlib.util
+import os
+import sys
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
+
+# One benchmark at a time per machine: timings of two suites running at once mean nothing.
+LOCK_PATH = Path(os.environ.get("SEMKV_BENCH_LOCK", Path(tempfile.gettempdir()) / "semkv-bench.lock"))
 
 SUITES: dict[str, str] = {
     "prefix": "semkv.bench.prefix",
@@ -28,4 +38,34 @@ def add_bench_parsers(parser, add_engine_args: Callable) -> None:
         add_engine_args(p)
         p.add_argument("--out", default="results", help="folder for JSON, Markdown and PNG results")
         module.add_arguments(p)
-        p.set_defaults(bench_run=module.run)
+        p.add_argument(
+            "--no-lock", action="store_true", help="don't wait for other benchmarks on this machine"
+        )
+        p.set_defaults(bench_run=exclusive(module.run))
+
+
+def exclusive(run: Callable) -> Callable:
+    """Wrap a suite's ``run`` so it holds the machine-wide benchmark lock while it runs."""
+
+    @functools.wraps(run)
+    def locked(args) -> int:
+        if getattr(args, "no_lock", False):
+            return run(args)
+        with open(LOCK_PATH, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(
+                    f"waiting for another semkv benchmark on this machine to finish (lock {LOCK_PATH})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                start = time.monotonic()
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                print(f"lock acquired after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            try:
+                return run(args)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    return locked
