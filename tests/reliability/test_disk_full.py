@@ -1,0 +1,69 @@
+"""A full disk (ENOSPC on write) or a quota error (on rename) never fails a request or loses data.
+
+Injected: after the store holds one prompt, every disk write fails — ``fsync`` raises ENOSPC (the
+disk is full), or the rename raises EDQUOT (quota) — while the engine serves a second prompt. Then
+the disk "frees up" and the engine serves that prompt again.
+
+Must happen: the requests succeed with output identical to a cache-less run; each failed write is
+counted as a tier error with a warning and leaves no temp file and no partial entry; entries stored
+before are untouched; the memory tier still serves the blocks in-process; once writes work again,
+the same engine writes the missing blocks to disk, and a fresh engine reuses them from disk.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from conftest import tiny_hf_model
+from reliability_helpers import PROMPT, block_keys_of, engine_at
+
+import semkv.store.tiers as tiers_module
+from semkv.store.entry import decode
+from semkv.store.tiers import DiskTier
+
+OTHER = "A second prompt, served while the disk is full."
+
+
+def failing(kind: str):
+    if kind == "enospc_on_fsync":
+        return "fsync", OSError(errno.ENOSPC, "No space left on device")
+    return "replace", OSError(errno.EDQUOT, "Disk quota exceeded")
+
+
+@pytest.mark.parametrize("kind", ["enospc_on_fsync", "edquot_on_rename"])
+def test_full_disk_is_survived_and_recovered(tmp_path, tokenizer, monkeypatch, kind):
+    model = tiny_hf_model("llama", len(tokenizer))
+    ref_engine = engine_at(tmp_path / "ref", tokenizer, model, disk=False)
+    ref = ref_engine.generate(OTHER, max_new_tokens=2, reuse="none", store_prompt=False)
+    home = tmp_path / "home"
+    engine = engine_at(home, tokenizer, model)
+    engine.generate(PROMPT, max_new_tokens=2)
+    disk = DiskTier(home / "store")
+    before = {p: p.read_bytes() for p in (home / "store").glob("*/*.skv")}
+
+    name, error = failing(kind)
+    real = getattr(tiers_module.os, name)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(tiers_module.os, name, fail)
+    g = engine.generate(OTHER, max_new_tokens=2)
+    assert g.token_ids == ref.token_ids
+    torch.testing.assert_close(g.first_logits, ref.first_logits, atol=1e-5, rtol=0)
+    new_keys = [k for k in block_keys_of(engine, OTHER) if not disk.path(k).exists()]
+    assert new_keys and engine.store.tier("disk").stats.errors >= len(new_keys)
+    assert not list((home / "store").glob(f"*/{DiskTier.TMP_PREFIX}*"))
+    assert {p: p.read_bytes() for p in (home / "store").glob("*/*.skv")} == before
+    again = engine.generate(OTHER, max_new_tokens=2)  # served from the memory tier meanwhile
+    assert again.token_ids == ref.token_ids and again.stats["reused_tokens"] > 0
+
+    monkeypatch.setattr(tiers_module.os, name, real)  # the disk frees up
+    engine.generate(OTHER, max_new_tokens=2)
+    assert all(decode(disk.path(k).read_bytes()).key == k for k in new_keys)
+    fresh = engine_at(home, tokenizer, model)
+    g = fresh.generate(OTHER, max_new_tokens=2)
+    assert g.token_ids == ref.token_ids and g.stats["reused_tokens"] >= len(new_keys) * 4 - 1
+    assert fresh.store.tier("disk").stats.hits > 0
