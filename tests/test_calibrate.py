@@ -1,0 +1,148 @@
+"""The per-model quality gate: choosing defaults, the profile file, the engine using it.
+
+Tiny random models check the mechanics (a tiny model's quality figures mean nothing);
+the exact ends of each sweep (blend at ratio 1.0, sparse at budget 1.0) must measure
+zero divergence, which checks the measuring itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from semkv.calibrate import (
+    CalibrationConfig,
+    calibrate,
+    check_request,
+    format_profile,
+    load_profile,
+    profile_path,
+    smallest_passing,
+    write_profile,
+)
+from semkv.cli import build_parser
+from semkv.config import EngineConfig, StoreConfig
+from semkv.engine import Engine
+from semkv.request import GenerateRequest
+
+
+def _pts(*pairs):
+    return [{"value": v, "top1_agreement": a} for v, a in pairs]
+
+
+def test_smallest_passing_value():
+    assert smallest_passing(_pts((0.0, 0.5), (0.1, 0.95), (0.3, 1.0)), 0.9) == (0.1, True)
+    # a pass below a failure does not count: agreement must hold for every larger value too
+    assert smallest_passing(_pts((0.0, 1.0), (0.1, 0.8), (0.3, 0.9), (0.5, 1.0)), 0.9) == (0.3, True)
+    # nothing passes: the largest value measured, flagged
+    assert smallest_passing(_pts((0.1, 0.2), (0.5, 0.5)), 0.9) == (0.5, False)
+    assert smallest_passing(_pts((0.1, None)), 0.9) == (None, False)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        CalibrationConfig(ratios=(1.5,))
+    with pytest.raises(ValueError):
+        CalibrationConfig(budgets=(0.0,))
+    with pytest.raises(ValueError):
+        CalibrationConfig(techniques=("magic",))
+    assert CalibrationConfig(ratios=(0.3, 0.1)).ratios == (0.1, 0.3)
+
+
+def _profile(engine, blend=0.3, share=0.2, budgets=None):
+    return {
+        "version": 1,
+        "model": engine.name,
+        "fingerprint": engine.fingerprint,
+        "target": 0.9,
+        "defaults": {
+            "blend_recompute_ratio": blend,
+            "share_ratio": share,
+            "kv_budget": budgets or {"keykey": 0.2},
+        },
+        "met_target": {},
+        "measurements": {},
+    }
+
+
+def _reopen(engine) -> Engine:
+    """A new engine over the same model and home (loads the profile at start)."""
+    return Engine(engine.config, engine.hf_model, engine.tokenizer, name=engine.name)
+
+
+def test_engine_uses_the_profile_and_warns_below_it(make_tiny_engine, caplog):
+    engine = make_tiny_engine("llama", disk=False)
+    assert "profile" not in engine.ctx.settings
+    write_profile(engine.config.home_path, _profile(engine))
+    engine = _reopen(engine)
+    assert engine.ctx.settings["blend"].recompute_ratio == 0.3
+    assert engine.ctx.settings["share"].first_ratio == 0.2
+    chunks = ["A short text about the sea and the boats in the harbour.", "Another text about mountains."]
+    engine.add_chunks(chunks)
+    g = engine.generate(prompt="Where are the boats?", chunks=chunks, reuse="blend", max_new_tokens=2)
+    assert g.stats["path"] == "blend" and g.stats["recompute_ratio"] == 0.3  # the profile's default
+    with caplog.at_level(logging.WARNING, logger="semkv.calibrate"):
+        low = engine.generate(
+            prompt="Where are the boats?", chunks=chunks, reuse="blend", recompute_ratio=0.1, max_new_tokens=2
+        )
+    assert low.stats["recompute_ratio"] == 0.1  # a request's own setting still wins
+    assert any("recompute_ratio 0.1 is below" in r.message for r in caplog.records)
+    settings = engine.ctx.settings
+    assert check_request(settings, GenerateRequest(prompt="x", reuse="blend", recompute_ratio=0.5)) == []
+    assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.05))
+    assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.5)) == []
+
+
+def test_profile_of_another_fingerprint_or_damaged_is_ignored(make_tiny_engine, caplog):
+    engine = make_tiny_engine("llama", disk=False)
+    home = engine.config.home_path
+    other = _profile(engine)
+    other["fingerprint"] = "0" * 64
+    write_profile(home, other)
+    assert load_profile(home, engine.fingerprint) is None
+    path = profile_path(home, engine.fingerprint)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="semkv.calibrate"):
+        reopened = _reopen(engine)
+    assert "profile" not in reopened.ctx.settings
+    assert any("unreadable calibration profile" in r.message for r in caplog.records)
+
+
+def test_calibrate_measures_every_technique(make_tiny_engine):
+    """On a tiny model: every technique measured; the exact ends of the sweeps measure zero divergence."""
+    engine = make_tiny_engine("llama", disk=False, block_size=16)
+    config = CalibrationConfig(
+        cases=1,
+        context_tokens=160,
+        chunks=2,
+        ratios=(0.0, 1.0),
+        budgets=(0.1, 1.0),
+        policies=("keykey", "streaming"),
+        decode_steps=3,
+    )
+    profile = calibrate(engine, config, show_progress=False)
+    m = profile["measurements"]
+    blend_full = next(p for p in m["blend"] if p["value"] == 1.0)
+    assert blend_full["n"] == 1 and blend_full["kl_mean"] < 1e-6 and blend_full["top1_agreement"] == 1.0
+    assert all(p["n"] + p["refused"] == 1 for p in m["share"])
+    for policy in ("keykey", "streaming"):
+        dense = next(p for p in m["sparse"][policy] if p["value"] == 1.0)
+        assert dense["n"] == 3 and dense["kl_mean"] < 1e-6 and dense["top1_agreement"] == 1.0
+    assert profile["fingerprint"] == engine.fingerprint
+    assert set(profile["defaults"]["kv_budget"]) == {"keykey", "streaming"}
+    assert "sparse keykey" in format_profile(profile)
+    path = write_profile(engine.config.home_path, profile)
+    assert json.loads(path.read_text())["defaults"] == profile["defaults"]
+    assert load_profile(engine.config.home_path, engine.fingerprint)["defaults"] == profile["defaults"]
+
+
+def test_cli_registers_calibrate():
+    args = build_parser().parse_args(["calibrate", "--model", "x", "--ratios", "0.1,0.2", "--dry-run"])
+    assert args.ratios == (0.1, 0.2) and args.dry_run and args.func.__name__ == "cmd_calibrate"
+
+
+def test_engine_config_home_is_where_profiles_live(tmp_path):
+    config = EngineConfig(home=tmp_path, store=StoreConfig(disk=False))
+    assert profile_path(config.home_path, "ab").parent == tmp_path / "profiles"
