@@ -307,3 +307,23 @@ def test_scattered_matches_can_be_forced_into_recompute(engine4, doc):
     assert counts["same_token"] + counts["signature"] > 0
     assert runs["recompute"]["share_forced"] > runs["reuse"]["share_forced"]
     assert runs["reuse"]["share_forced"] <= counts["unmatched"] + 1
+
+
+@pytest.mark.real_model
+def test_smollm2_paraphrase_served_by_share(make_smol_engine, tokenizer):
+    """On the real model: recompute-everything reproduces full prefill; the default schedule keeps the
+    first token of a paraphrased request (changed instruction, same document) and a small KL."""
+    engine = make_smol_engine(kv_dtype="float32")
+    doc = haystack(tokenizer, 200, start_essay=5)
+    engine.generate(prompt="Summarise the following essay.\n\n" + doc, max_new_tokens=1)
+    target = "Write a two-sentence summary of this essay.\n\n" + doc
+    full = engine.generate(prompt=target, max_new_tokens=1, reuse="none", store_prompt=False)
+    every = ShareConfig(schedule="constant", constant_ratio=1.0)
+    exact = engine.generate(prompt=target, max_new_tokens=1, reuse="share", share=every, store_prompt=False)
+    torch.testing.assert_close(exact.first_logits, full.first_logits, atol=2e-3, rtol=1e-3)
+    shared = engine.generate(prompt=target, max_new_tokens=1, reuse="share", store_prompt=False)
+    assert shared.stats["path"] == "share" and shared.stats["share_recompute_fraction"] < 0.3
+    assert int(shared.first_logits.argmax()) == int(full.first_logits.argmax())
+    log_p = torch.log_softmax(full.first_logits, -1)
+    kl = float((log_p.exp() * (log_p - torch.log_softmax(shared.first_logits, -1))).sum())
+    assert kl < 0.1
