@@ -26,6 +26,7 @@ import argparse
 import logging
 import random
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,21 @@ FACTS = (
     ("{name} was born in the city of {answer}.", "In which city was {name} born?", CITIES),
     ("{name} has a cat named {answer}.", "What is the name of the cat of {name}?", PET_NAMES),
 )
-INSTRUCTION = (
-    "Answer the question using the documents above. Reply with the answer only.\nQuestion: {question}"
+INSTRUCTION = "Question: {question}"
+# One worked example turn before the real one, so the small model answers instead of echoing the
+# question; identical for every row (it is part of the template prefix, stored once as prefix blocks).
+EXAMPLE_TURN = (
+    {
+        "role": "user",
+        "content": "Documents: ... Oskar Lindqvist has a cat named Pepper. ...\n\n"
+        "Question: What is the name of the cat of Oskar Lindqvist?",
+    },
+    {"role": "assistant", "content": "Pepper"},
 )
+
+
+def messages_for(question: str) -> list[dict[str, str]]:
+    return [*EXAMPLE_TURN, {"role": "user", "content": INSTRUCTION.format(question=question)}]
 
 
 @dataclass
@@ -160,9 +173,9 @@ def _ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[
     return rows
 
 
-def _first8_share(tokenizer, texts: list[str], prompt: str, rows: list[int]) -> float | None:
+def _first8_share(tokenizer, texts: list[str], question: str, rows: list[int]) -> float | None:
     """Share of recomputed chunk tokens lying among the first 8 tokens of their chunk."""
-    layout = build_layout(tokenizer, prompt=prompt, chunks=texts)
+    layout = build_layout(tokenizer, messages=messages_for(question), chunks=texts)
     chosen = set(rows)
     inside = first = 0
     for _, start, end in layout.chunk_spans():
@@ -172,11 +185,11 @@ def _first8_share(tokenizer, texts: list[str], prompt: str, rows: list[int]) -> 
     return first / inside if inside else None
 
 
-def _run_row(engine: Engine, spec: RowSpec, texts: list[str], prompt: str, max_new: int) -> dict[str, Any]:
+def _run_row(engine: Engine, spec: RowSpec, texts: list[str], question: str, max_new: int) -> dict[str, Any]:
     options: dict[str, Any] = dict(chunks=texts, reuse=spec.reuse, max_new_tokens=max_new, store_prompt=False)
     if spec.reuse == "blend":
         options.update(recompute_ratio=spec.ratio, blend=spec.config)
-    g = engine.generate(prompt, **options)
+    g = engine.generate(messages=messages_for(question), **options)
     if spec.reuse == "blend" and g.stats["path"] != "blend":
         raise RuntimeError(f"{spec.label}: expected the blend path, got {g.stats['path']}")
     return {"text": g.text, "logits": g.first_logits, "stats": g.stats}
@@ -235,35 +248,29 @@ def _run_variant(
     specs: list[RowSpec],
     args: argparse.Namespace,
     desc: str,
+    on_question: Callable[[dict[str, list[dict]]], None] | None = None,
 ) -> dict[str, list[dict]]:
-    """Per row label, one result per question (rows interleaved per question)."""
+    """Per row label, one result per question (rows interleaved per question). ``on_question`` sees
+    the results so far after every question (rows grouped by sink: one group at a time)."""
     results: dict[str, list[dict]] = {s.label: [] for s in specs}
-    current_sink = None
     for spec_group in _group_by_sink(specs):
         sink = spec_group[0].sink
-        if sink != current_sink:
-            engine.add_chunks([c.text for c in pool], BlendConfig(sink=sink))
-            current_sink = sink
+        engine.add_chunks([c.text for c in pool], BlendConfig(sink=sink))
         warm = questions[0]
         for spec in spec_group:  # warm-up, excluded
-            _run_row(
-                engine,
-                spec,
-                [pool[i].text for i in warm.chunks],
-                INSTRUCTION.format(question=warm.question),
-                1,
-            )
+            _run_row(engine, spec, [pool[i].text for i in warm.chunks], warm.question, 1)
         for q in tqdm(questions, desc=f"{desc} sink={sink}", unit="q"):
             texts = [pool[i].text for i in q.chunks]
-            prompt = INSTRUCTION.format(question=q.question)
             for spec in spec_group:
-                out = _run_row(engine, spec, texts, prompt, args.max_new_tokens)
+                out = _run_row(engine, spec, texts, q.question, args.max_new_tokens)
                 if spec.reuse == "blend":
                     out["first8"] = _first8_share(
-                        engine.tokenizer, texts, prompt, out["stats"]["recomputed_rows"]
+                        engine.tokenizer, texts, q.question, out["stats"]["recomputed_rows"]
                     )
                 out["stats"].pop("recomputed_rows", None)
                 results[spec.label].append(out)
+            if on_question is not None and len(_group_by_sink(specs)) == 1:
+                on_question(results)
     return results
 
 
@@ -284,8 +291,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
     parser.add_argument("--ablation-questions", type=int, default=20, help="0 skips the ablation")
     parser.add_argument("--ablation-ratio", type=float, default=0.15)
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=14)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-main", action="store_true", help="run only the ablation")
+
+
+def _rows_for(
+    variant: str, specs: list[RowSpec], results: dict[str, list[dict]], answers: list[str]
+) -> list[dict]:
+    done = min(len(results[s.label]) for s in specs)
+    if done == 0:
+        return []
+    full = results["full prefill"][:done]
+    return [
+        {"variant": variant, **_summarise(s.label, results[s.label][:done], full, answers[:done])}
+        for s in specs
+    ]
+
+
+def _write(
+    out: Path, rows: list[dict], config: dict, per_question: dict, variants: list[int], last: float
+) -> None:
+    write_results(out, "blend", rows, config, COLUMNS, extra={"per_question": per_question}, notes=_notes())
+    series = {}
+    for count in variants:
+        main = [r for r in rows if r["variant"] == f"{count} chunks"]
+        sweep = [r for r in main if r["row"].startswith(("full reuse", "blend"))]
+        if not main:
+            continue
+        series[f"{count} chunks: blend, ratio 0 -> {last}"] = (
+            [r["ttft_s"] for r in sweep],
+            [r["f1"] for r in sweep],
+        )
+        fp = [r for r in main if r["row"] == "full prefill"]
+        series[f"{count} chunks: full prefill"] = ([fp[0]["ttft_s"]], [fp[0]["f1"]])
+    if series:
+        line_plot(
+            out / "blend.png",
+            series,
+            "TTFT median (s)",
+            "answer F1",
+            "CacheBlend: quality vs TTFT over ratio",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,63 +351,49 @@ def run(args: argparse.Namespace) -> int:
         store=StoreConfig(disk=False),
     )
     pool = build_pool(engine.tokenizer, max(args.pool, max(variants)), args.chunk_tokens, args.seed)
-    # the template's prefix blocks are stored once, so "prefix caching only" and blend load them
-    engine.generate("Hello.", max_new_tokens=1)
+    # the template (with the example turn) is stored once as prefix blocks: prefix caching and blend load it
+    engine.generate(messages=messages_for("Hello?"), max_new_tokens=1)
     default = BlendConfig()
+    out = Path(args.out)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
+    config["default_blend"] = asdict(default)
     rows: list[dict[str, Any]] = []
     per_question: dict[str, Any] = {}
     for vi, count in enumerate(variants):
         questions = build_questions(pool, args.questions, count, args.seed + count)
-        specs = _main_rows(ratios, default)
-        results = _run_variant(engine, pool, questions, specs, args, f"{count} chunks")
         answers = [q.answer for q in questions]
-        full = results["full prefill"]
-        for spec in specs:
-            rows.append(
-                {"variant": f"{count} chunks", **_summarise(spec.label, results[spec.label], full, answers)}
-            )
-        per_question[f"{count} chunks"] = {
-            label: [{"text": r["text"], "ttft_s": r["stats"]["ttft_s"]} for r in res]
-            for label, res in results.items()
-        }
-        per_question[f"{count} chunks"]["answers"] = answers
+        variant = f"{count} chunks"
+        if not args.skip_main:
+            specs = _main_rows(ratios, default)
+
+            def progress(results, specs=specs, variant=variant, answers=answers, rows=rows) -> None:
+                per_question[variant] = {
+                    "answers": answers,
+                    **{
+                        label: [{"text": r["text"], "ttft_s": r["stats"]["ttft_s"]} for r in res]
+                        for label, res in results.items()
+                    },
+                }
+                _write(
+                    out,
+                    rows + _rows_for(variant, specs, results, answers),
+                    config,
+                    per_question,
+                    variants,
+                    ratios[-1] if ratios else 0.0,
+                )
+
+            results = _run_variant(engine, pool, questions, specs, args, variant, progress)
+            rows += _rows_for(variant, specs, results, answers)
         if vi == 0 and args.ablation_questions > 0:
             sub = questions[: args.ablation_questions]
-            base = [
-                RowSpec("full prefill", "none"),
-                RowSpec(f"blend {args.ablation_ratio:.2f}", "blend", args.ablation_ratio, default),
-            ]
-            ab_specs = base + _ablation_rows(default, args.ablation_ratio, engine.runtime.num_layers)
-            ab = _run_variant(engine, pool, sub, ab_specs, args, f"ablation {count} chunks")
-            sub_answers = [q.answer for q in sub]
-            for spec in ab_specs:
-                rows.append(
-                    {
-                        "variant": f"ablation {count} chunks",
-                        **_summarise(spec.label, ab[spec.label], ab["full prefill"], sub_answers),
-                    }
-                )
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
-    config["default_blend"] = asdict(default)
-    out = Path(args.out)
-    write_results(out, "blend", rows, config, COLUMNS, extra={"per_question": per_question}, notes=_notes())
-    series = {}
-    for count in variants:
-        main = [r for r in rows if r["variant"] == f"{count} chunks"]
-        sweep = [r for r in main if r["row"].startswith(("full reuse", "blend"))]
-        series[f"{count} chunks: ratio 0 -> {ratios[-1] if ratios else 0}"] = (
-            [r["ttft_s"] for r in sweep],
-            [r["f1"] for r in sweep],
-        )
-        fp = [r for r in main if r["row"] == "full prefill"]
-        series[f"{count} chunks: full prefill"] = ([fp[0]["ttft_s"]], [fp[0]["f1"]])
-    line_plot(
-        out / "blend.png",
-        series,
-        "TTFT median (s)",
-        "answer F1",
-        "CacheBlend: quality vs TTFT over recompute ratio",
-    )
+            ratio = args.ablation_ratio
+            base = [RowSpec("full prefill", "none"), RowSpec(f"blend {ratio:.2f}", "blend", ratio, default)]
+            ab_specs = base + _ablation_rows(default, ratio, engine.runtime.num_layers)
+            ab = _run_variant(engine, pool, sub, ab_specs, args, f"ablation {variant}")
+            rows += _rows_for(f"ablation {variant}", ab_specs, ab, [q.answer for q in sub])
+            _write(out, rows, config, per_question, variants, ratios[-1] if ratios else 0.0)
+    _write(out, rows, config, per_question, variants, ratios[-1] if ratios else 0.0)
     engine.close()
     print(markdown_table(rows, COLUMNS))  # noqa: T201  (the command's output)
     print(f"results in {out}/blend.json, blend.md and blend.png")  # noqa: T201

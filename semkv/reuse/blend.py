@@ -187,6 +187,13 @@ def precompute_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Se
     )
 
 
+def store_chunk(ctx: PrefillContext, entry: KVEntry) -> None:
+    """Store a chunk entry, replacing one under the same key made with another sink (tiers keep the
+    first entry put under a key)."""
+    ctx.store.delete(entry.key)
+    ctx.store.put(entry)
+
+
 def _tokenize(ctx: PrefillContext, text: str) -> list[int]:
     return list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -221,7 +228,7 @@ def add_chunks(
     keys = []
     for ids in tqdm(tokenized, desc="precompute chunks", unit="chunk", disable=len(tokenized) < 4):
         if lookup_chunk(ctx, ids, sink) is None:
-            ctx.store.put(precompute_chunk(ctx, ids, sink))
+            store_chunk(ctx, precompute_chunk(ctx, ids, sink))
         keys.append(chunk_key(ctx.fingerprint, ids))
     return keys
 
@@ -361,7 +368,7 @@ def store_after_blend(
         sink = sink_tokens(ctx, config.sink)
         for seg, _, _ in layout.chunk_spans():
             if seg.token_ids and lookup_chunk(ctx, seg.token_ids, sink) is None:
-                ctx.store.put(precompute_chunk(ctx, seg.token_ids, sink))
+                store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink))
 
 
 register_path(BlendReuse())
