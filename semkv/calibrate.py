@@ -61,6 +61,8 @@ class CalibrationConfig:
     decode_steps: teacher-forced decode steps compared per sparse case.
     target: top-1 agreement a value must reach to be the default.
     edit_share: share of the document's sentences replaced in a share case's target prompt.
+    window_variant: on models with sliding-window layers also measure sparse decode with the
+        window layers attending to their whole window (:class:`WindowLayersDense`; not a default).
     seed: seeds the cases.
     """
 
@@ -75,6 +77,7 @@ class CalibrationConfig:
     edit_share: float = 0.1
     seed: int = 0
     techniques: tuple[str, ...] = ("blend", "share", "sparse")
+    window_variant: bool = False  # also measure sparse with window layers dense (models with window layers)
 
     def __post_init__(self) -> None:
         if self.cases < 1 or self.chunks < 1 or self.decode_steps < 1:
@@ -384,10 +387,35 @@ def _teacher_forced(engine, cache, tokens: list[int], decoder) -> list[Tensor]:
     return out
 
 
+@dataclass
+class WindowLayersDense:
+    """A measurement variant: sparse selection on global layers only.
+
+    Wraps a sparse decoder (the runtime's key-gathering hook); on a sliding-window layer it
+    hands the runtime every row, so the position mask leaves exactly the layer's window
+    (at most ``window`` keys, the same cost bound as any selection). The sparse decoder
+    itself selects on every layer; this measures what selecting on global layers only
+    would give on models with window layers (Gemma 3).
+    """
+
+    decoder: Any
+    windows: list[int | None]
+
+    def gather(self, layer: int, q_rot: Tensor, cache) -> tuple[Tensor, Tensor, Tensor] | None:
+        picked = self.decoder.gather(layer, q_rot, cache)  # keeps the decoder's per-step bookkeeping
+        return None if self.windows[layer] is not None else picked
+
+    def finish(self) -> None:
+        self.decoder.finish()
+
+
 def measure_sparse(
-    engine, config: CalibrationConfig, progress: Callable | None = None
+    engine, config: CalibrationConfig, progress: Callable | None = None, window_layers_dense: bool = False
 ) -> dict[str, list[dict[str, Any]]]:
-    """Per policy and budget: per-step KL / top-1 vs dense, teacher-forced on the dense greedy tokens."""
+    """Per policy and budget: per-step KL / top-1 vs dense, teacher-forced on the dense greedy tokens.
+
+    window_layers_dense: measure the :class:`WindowLayersDense` variant instead of the decoder as it is.
+    """
     from semkv.request import GenerateRequest
     from semkv.sparse.session import decoder_for, prefill_capture
 
@@ -412,6 +440,9 @@ def measure_sparse(
                         runtime.prefill(cache, ids)
                 else:
                     cache = copy.deepcopy(prompt_cache)
+                if window_layers_dense:
+                    windows = [engine.adapter.window(layer) for layer in range(engine.adapter.num_layers)]
+                    decoder = WindowLayersDense(decoder, windows)
                 for ref, got in zip(dense, _teacher_forced(engine, cache, tokens, decoder), strict=True):
                     point.kl.append(logit_kl(ref, got))
                     point.agree.append(top1_agree(ref, got))
@@ -429,7 +460,9 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
     if "share" in config.techniques:
         steps += config.cases * len(config.ratios)
     if "sparse" in config.techniques:
-        steps += config.cases * len(config.budgets) * len(config.policies)
+        steps += (
+            config.cases * len(config.budgets) * len(config.policies) * (2 if config.window_variant else 1)
+        )
     bar = tqdm(total=steps, desc=f"calibrating {engine.name}", disable=not show_progress)
     start = time.perf_counter()
     measurements: dict[str, Any] = {}
@@ -448,6 +481,9 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
         defaults["kv_budget"], met["sparse"] = {}, {}
         for policy, pts in measurements["sparse"].items():
             defaults["kv_budget"][policy], met["sparse"][policy] = smallest_passing(pts, config.target)
+        has_windows = any(engine.adapter.window(i) is not None for i in range(engine.adapter.num_layers))
+        if config.window_variant and has_windows:
+            measurements["sparse_window_layers_dense"] = measure_sparse(engine, config, bar.update, True)
     bar.close()
     return {
         "version": PROFILE_VERSION,
@@ -492,6 +528,8 @@ def format_profile(profile: dict[str, Any]) -> str:
         rows("share", "first_ratio", m["share"], defaults.get("share_ratio"))
     for policy, pts in m.get("sparse", {}).items():
         rows(f"sparse {policy}", "kv_budget", pts, defaults["kv_budget"].get(policy))
+    for policy, pts in m.get("sparse_window_layers_dense", {}).items():
+        rows(f"sparse {policy}, window layers dense", "kv_budget", pts, None)
     lines += ["", f"met target: {json.dumps(profile['met_target'])}"]
     return "\n".join(lines)
 
@@ -527,6 +565,11 @@ def add_parser(subparsers, add_engine_args: Callable) -> None:
     )
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--dry-run", action="store_true", help="measure and print, write no profile")
+    p.add_argument(
+        "--window-variant",
+        action="store_true",
+        help="also measure sparse decode with sliding-window layers attending to their whole window",
+    )
     p.add_argument("--out", default=None, help="also write the profile JSON here")
     p.set_defaults(func=cmd_calibrate)
 
@@ -544,6 +587,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         techniques=tuple(t for t in args.techniques.split(",") if t),
         target=args.target,
         seed=args.seed,
+        window_variant=args.window_variant,
     )
     # A memory-only store: calibration's chunks and prompts never land in the user's disk store.
     engine = Engine.from_pretrained(

@@ -138,6 +138,25 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
     assert load_profile(engine.config.home_path, engine.fingerprint)["defaults"] == profile["defaults"]
 
 
+def test_window_variant_on_a_model_with_window_layers(make_tiny_engine):
+    """Gemma 3 tiny (window 8): the window-layers-dense variant is measured too, exact at full budget."""
+    engine = make_tiny_engine("gemma3_text", disk=False, block_size=4)
+    config = CalibrationConfig(
+        cases=1,
+        context_tokens=96,
+        budgets=(0.2, 1.0),
+        policies=("keykey",),
+        decode_steps=3,
+        techniques=("sparse",),
+        window_variant=True,
+    )
+    profile = calibrate(engine, config, show_progress=False)
+    variant = profile["measurements"]["sparse_window_layers_dense"]["keykey"]
+    assert [p["n"] for p in variant] == [3, 3]
+    assert variant[-1]["kl_mean"] < 1e-6 and variant[-1]["top1_agreement"] == 1.0
+    assert "window layers dense" in format_profile(profile)
+
+
 def test_cli_registers_calibrate():
     args = build_parser().parse_args(["calibrate", "--model", "x", "--ratios", "0.1,0.2", "--dry-run"])
     assert args.ratios == (0.1, 0.2) and args.dry_run and args.func.__name__ == "cmd_calibrate"
