@@ -73,6 +73,12 @@ def tiny_hf_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> t
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_factory():
+    """``tiny_hf_model`` for fixtures of wider scope than ``make_tiny_engine`` (e.g. one app per module)."""
+    return tiny_hf_model
+
+
 @pytest.fixture
 def make_tiny_engine(tmp_path, tokenizer):
     """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path."""

@@ -30,6 +30,29 @@ def tiny_app(make_tiny_engine):
     return make
 
 
+@pytest.fixture(scope="module")
+def module_client_factory(tmp_path_factory, tokenizer, tiny_model_factory):
+    """make(config=None) -> a TestClient over a tiny app shared by a whole test module (the server
+    must keep serving across every test of the module); closed at the module's end."""
+    from semkv.config import EngineConfig
+    from semkv.engine import Engine
+
+    clients: list[TestClient] = []
+
+    def make(config: ServerConfig | None = None) -> TestClient:
+        home = tmp_path_factory.mktemp("module-home")
+        engine_config = EngineConfig(model="llama", home=home, kv_dtype="float32", block_size=4)
+        engine = Engine(engine_config, tiny_model_factory("llama", len(tokenizer)), tokenizer, name=TINY)
+        c = TestClient(create_app(engine, config or ServerConfig()), raise_server_exceptions=False)
+        c.__enter__()
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
 @pytest.fixture
 def client(tiny_app):
     """A TestClient over a fresh tiny app; 5xx come back as responses, never as exceptions."""

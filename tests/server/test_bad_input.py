@@ -9,6 +9,12 @@ GOOD = {"model": TINY, "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": TINY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
+@pytest.fixture(scope="module")
+def client(module_client_factory):
+    """One app for the whole module: every bad input below hits the same server, which must keep serving."""
+    return module_client_factory()
+
+
 def assert_openai_error(response, status: int, param: str | None = "any", code: str | None = "any") -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]

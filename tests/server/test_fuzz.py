@@ -10,7 +10,6 @@ import dataclasses
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +21,7 @@ FUZZ = settings(
     max_examples=120,
     deadline=None,
     derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 any_text = st.text(
@@ -123,13 +122,10 @@ document_body = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture
-def client(tiny_app):
-    """One app for all examples of a test; short default generations keep the fuzz fast."""
-    with TestClient(
-        tiny_app(ServerConfig(completion_max_tokens=4, chat_max_tokens=4)), raise_server_exceptions=False
-    ) as c:
-        yield c
+@pytest.fixture(scope="module")
+def client(module_client_factory):
+    """One app for every example of the module; short default generations keep the fuzz fast."""
+    return module_client_factory(ServerConfig(completion_max_tokens=4, chat_max_tokens=4))
 
 
 def check(client, route: str, response) -> None:
@@ -184,7 +180,6 @@ def test_fuzz_raw_bytes(client, raw, route):
 
 
 def test_still_serving_after_fuzz(client):
-    """The fixture's app is fresh here; the fuzz tests above each ended with a live app (they check
-    every response). This pins the good path the fuzzers compare against."""
+    """The same app that took every fuzzed request above still answers a good one."""
     r = client.post("/v1/completions", json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
