@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -392,11 +393,11 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
-    async def list_documents() -> dict[str, Any]:
+    def list_documents() -> dict[str, Any]:  # sync: reads disk / Redis off the event loop
         return {"object": "list", "data": [d.summary() for d in state.documents.list()]}
 
     @app.get("/v1/documents/{doc_id}")
-    async def get_document(doc_id: str) -> dict[str, Any]:
+    def get_document(doc_id: str) -> dict[str, Any]:
         doc = state.documents.get(doc_id)
         if doc is None:
             raise APIError(404, f"unknown document id {doc_id!r}", "doc_id", "document_not_found")
@@ -409,7 +410,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         prompts = body.prompts
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming supports a single prompt", "prompt", "invalid_value")
-        calls = [state.engine_kwargs(body, body.max_tokens, prompt=p) for p in prompts]
+        calls = [
+            await run_in_threadpool(state.engine_kwargs, body, body.max_tokens, prompt=p) for p in prompts
+        ]
         default = state.config.completion_max_tokens
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -436,7 +439,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         started = time.perf_counter()
         state.check_model(body.model)
         messages = [m.as_engine_message() for m in body.messages]
-        kwargs = state.engine_kwargs(body, body.token_limit, messages=messages)
+        kwargs = await run_in_threadpool(state.engine_kwargs, body, body.token_limit, messages=messages)
         default = state.config.chat_max_tokens
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
