@@ -266,16 +266,11 @@ class ServerState:
                     "input",
                     "context_length_exceeded",
                 )
-        add_chunks = getattr(self.engine, "add_chunks", None)
-        chunk_ids: list[list[str]] = [[] for _ in texts]
-        if callable(add_chunks):
-            ids = list(add_chunks(texts))
-            if len(ids) == len(texts):
-                chunk_ids = [[str(i)] for i in ids]
-            else:
-                log.warning("add_chunks returned %d ids for %d texts; not recorded", len(ids), len(texts))
-            self.metrics.document_tokens.inc(sum(counts))
-        docs = [DocumentRegistry.new(t, n, c) for t, n, c in zip(texts, counts, chunk_ids, strict=True)]
+        # Chunks are precomputed the way the server's default blend settings will look them up.
+        blend = GenerateRequest(prompt="x", **self.config.defaults).blend
+        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, blend)]
+        self.metrics.document_tokens.inc(sum(counts))
+        docs = [DocumentRegistry.new(t, n, [c]) for t, n, c in zip(texts, counts, chunk_ids, strict=True)]
         for doc in docs:
             self.documents.put(doc)
         self.metrics.documents.inc(len(docs))
