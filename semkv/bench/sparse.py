@@ -56,9 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", type=int, default=30, help="cases per length")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
     p.add_argument("--policies", nargs="+", default=MAIN_POLICIES)
+    p.add_argument(
+        "--sweep-policies",
+        nargs="+",
+        default=None,
+        help="policies run at every budget (default: all); the others run at --ablation-budget only",
+    )
     p.add_argument("--ablation-budget", type=float, default=0.1, help="budget of the Key-Key ablation")
     p.add_argument("--no-ablation", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--heatmaps", type=int, default=1000, help="at most this many heat maps per length")
     p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,7 +87,12 @@ class Run:
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]]:
-    out = [(name, budget, {}) for name in args.policies for budget in args.budgets]
+    sweep = set(args.policies if args.sweep_policies is None else args.sweep_policies)
+    out = [
+        (name, budget, {})
+        for name in args.policies
+        for budget in (args.budgets if name in sweep else [args.ablation_budget])
+    ]
     if not args.no_ablation:
         out += [(label, args.ablation_budget, opts) for label, opts in ABLATIONS.items()]
     return out

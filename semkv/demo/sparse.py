@@ -1,0 +1,53 @@
+"""Demo scene: a long-context question answered with dense and with Key-Key sparse decode."""
+
+from __future__ import annotations
+
+from semkv.bench.metrics import exact_match
+from semkv.bench.needles import make_case
+
+TITLE = "sparse decode: each step attends to 10% of the KV blocks (Key-Key affinity, hybrid)"
+
+CONTEXT_TOKENS = 2048
+NEW_TOKENS = 14
+
+
+def run(engine) -> dict:
+    case = make_case(engine.tokenizer, "passkey", CONTEXT_TOKENS, seed=2048, depth=0.1)
+    print(f"a {CONTEXT_TOKENS}-token haystack of essays hides a pass key ({case.answer}) at 10% depth")
+    options = dict(prompt=case.prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    dense = engine.generate(**options)  # stores the prompt's blocks: the next requests reuse the prefix
+    print(f"  prompt {dense.stats['prompt_tokens']} tokens, prefilled in {dense.stats['ttft_s']:.1f} s")
+    rows = [("dense", dense)]
+    for policy in ("keykey", "hybrid"):
+        rows.append((f"{policy} @10%", engine.generate(sparse=policy, kv_budget=0.1, **options)))
+    base = dense.stats["decode_ms_per_token"]
+    print(
+        f"  {'decode':<13} {'ms/token':>8} {'speed':>6} {'blocks/step':>11} {'resident KV':>11} {'select':>7}  answer"
+    )
+    figures = {}
+    for label, g in rows:
+        s = g.stats
+        ms = s["decode_ms_per_token"]
+        ok = "ok " if exact_match(g.text, case.answer) else "miss"
+        blocks = (
+            f"{s['blocks_selected_per_step']:.0f}/{s['prompt_tokens'] // engine.config.block_size}"
+            if "sparse_policy" in s
+            else "all"
+        )
+        resident = f"{s['resident_kv_bytes'] / 1e6:.1f} MB" if s.get("resident_kv_bytes") else "all"
+        share = f"{100 * s['select_share']:.1f}%" if "select_share" in s else "-"
+        print(
+            f"  {label:<13} {ms:8.1f} {base / ms:5.2f}x {blocks:>11} {resident:>11} {share:>7}  [{ok}] {g.text.strip()!r}"
+        )
+        figures[label] = {
+            "ms_per_token": ms,
+            "speedup": base / ms,
+            "correct": ok.strip() == "ok",
+            "text": g.text,
+        }
+    print(
+        "  (on SmolLM2-135M Key-Key alone is a weak relevance signal — the seed expects that below 1B;"
+        " the hybrid ranks the final pages with a query-aware bound. At 2K tokens attention is a small"
+        " share of the step, so the speed-up grows with context: see `semkv bench sparse`.)"
+    )
+    return figures

@@ -1,0 +1,76 @@
+"""Bad sparse-decode input is refused with a clear ValueError, before any work is done.
+
+Injected: unknown policy names, budgets that are zero, negative, above 1 as a fraction, of the
+wrong type; bad policy and config settings; a policy that needs prefill queries without them.
+Must happen: ValueError naming the problem.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semkv.request import GenerateRequest
+from semkv.sparse import Budget, KeyKeyPolicy, SparseConfig, SparseDecoder, make_policy
+from semkv.sparse.quest import QuestPolicy
+
+
+@pytest.mark.parametrize("sparse", ["keyky", "DENSE", "", "random"])
+def test_unknown_policy(sparse):
+    with pytest.raises(ValueError, match="unknown sparse policy"):
+        GenerateRequest(prompt="hi", sparse=sparse)
+    with pytest.raises(ValueError, match="unknown sparse policy"):
+        make_policy(sparse)
+
+
+@pytest.mark.parametrize("budget", [0, 0.0, -0.1, 1.5, -3, True, "0.1", None, float("nan")])
+def test_bad_budget(budget):
+    with pytest.raises(ValueError, match="kv_budget"):
+        GenerateRequest(prompt="hi", sparse="keykey", kv_budget=budget)
+
+
+@pytest.mark.parametrize("budget, blocks", [(0.1, 7), (1.0, 64), (16, 1), (17, 2), (1, 1)])
+def test_budget_blocks(budget, blocks):
+    assert Budget(budget).blocks(1024, 16) == blocks
+
+
+def test_defaults_are_dense():
+    request = GenerateRequest(prompt="hi")
+    assert request.sparse is None and request.kv_budget == 0.1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"head_pool": "median"},
+        {"page_scorer": "bm25"},
+        {"hierarchy": (0.1, 0.2, 0.5)},
+        {"hierarchy": (0.5, 0.2, 0.0)},
+        {"anchor_tokens": 0},
+        {"pages_per_chunk": 0},
+    ],
+)
+def test_bad_keykey_settings(kwargs):
+    with pytest.raises(ValueError):
+        KeyKeyPolicy(**kwargs)
+
+
+def test_bad_quest_and_config():
+    with pytest.raises(ValueError):
+        QuestPolicy(aggregate="sum")
+    for kwargs in ({"sink_blocks": -1}, {"window_tokens": 0}, {"resident_factor": 0.5}, {"kv_budget": 2.0}):
+        with pytest.raises(ValueError):
+            SparseConfig(**kwargs)
+
+
+def test_policy_needing_prefill_queries_refuses_without_them(tokenizer):
+    from conftest import tiny_hf_model
+
+    from semkv.models import Runtime, adapter_for
+
+    runtime = Runtime(adapter_for("llama")(tiny_hf_model("llama", len(tokenizer))), torch.float32)
+    cache = runtime.new_cache(80)
+    runtime.prefill(cache, list(range(5, 70)))
+    decoder = SparseDecoder(make_policy("snapkv"), SparseConfig(kv_budget=0.2, window_tokens=6), 4)
+    with pytest.raises(ValueError, match="captured at prefill"):
+        runtime.decode(cache, 5, decoder)
