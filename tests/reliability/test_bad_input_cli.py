@@ -86,12 +86,8 @@ def test_bad_invocations_exit_2_with_a_clear_message(tmp_path, checkpoint, home,
     before = snapshot(home)
     cases = bad_cases(tmp_path, checkpoint)
     for argv, needle in cases:
-        code, out, err = run_cli(
-            [*argv[:1], *argv[1:], "--home", str(home), "--block-size", "4"]
-            if "--block-size" not in argv
-            else [*argv, "--home", str(home)],
-            capsys,
-        )
+        block_size = [] if "--block-size" in argv else ["--block-size", "4"]  # the store's block size
+        code, out, err = run_cli([*argv, "--home", str(home), *block_size], capsys)
         assert code == 2, (argv[:3], code, err)
         assert needle.lower() in err.lower(), (argv[:3], err)
         assert "Traceback" not in err and out == ""
