@@ -38,18 +38,24 @@ GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 WINDOW_LAYER_POLICY = """\
 Sliding-window layers (15 of 18 on Gemma 3 270M, window 512):
-- live cache: every row keeps its KV on every layer; attention on a window layer masks
-  keys with q_pos - k_pos >= window, so results are exact (tested against HF beyond 512).
-- store: prefix blocks and chunks keep every layer, window layers included: a stored block
-  can end a *shorter* shared prefix later, whose next tokens need the block's window-layer
-  KV; dropping it would make reuse inexact.
-- blend / share: reused rows are re-rotated to their new positions with the window layer's
-  own (local-base) rotary table; recomputed rows attend only to keys inside their window
-  at their *new* positions, so a chunk blended far from the question contributes to window
-  layers only through its last `window` positions before each query.
-- sparse decode: block selection is meaningful on global layers only; on a window layer
-  the step sees at most `window` keys anyway, and the position mask removes anything a
-  policy selects beyond it.
+- live cache: every row keeps its KV on every layer; attention on a window layer masks keys
+  with q_pos - k_pos >= window (masks from absolute positions), so results are exact (tested
+  against HF past the window). Rows older than the window are dead weight on window layers
+  during decode; reclaiming them needs per-layer row storage in KVCache (see the report).
+- store: prefix blocks and chunks keep every layer, window layers included: a stored block can
+  end a *shorter* shared prefix later, whose next tokens need the block's window-layer KV, and
+  a chunk can be placed right before the question; dropping it would make reuse inexact.
+- blend / share: reused rows are re-rotated to their new positions with the window layer's own
+  (local-base) rotary table; recomputed rows attend only to keys inside their window at their
+  *new* positions, so on window layers a chunk influences a query only through the last
+  `window` positions before it. Deviation-based selection runs on every layer as usual.
+- sparse decode: the decoder selects blocks the same way on every layer; on a window layer the
+  position mask drops selected blocks older than the window, so that layer attends to the
+  local rows plus the selected blocks inside its window. `semkv calibrate --window-variant`
+  measures the alternative (selection on global layers only, window layers see their whole
+  window: at most `window` keys). Measured on Gemma 3 270M, 3 essays of ~1050 tokens, 8
+  teacher-forced steps each: mean KL vs dense at kv_budget 0.1 fell from 0.096 to 0.028
+  (keykey) and from 0.107 to 0.020 (quest); top-1 agreement 1.0 either way (n=24).
 """
 
 
