@@ -91,13 +91,65 @@ def attention(
     if causal_prefix and (window is None or q.shape[1] <= window):
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        if window is not None:
-            mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
-        if bool(mask.all()):
-            mask = None
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out = torch.cat(
+            [
+                _masked_attention(
+                    q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], q_pos[qs], k_pos[ks], scaling, window, gqa
+                )
+                for qs, ks in _query_groups(q_pos, k_pos, window)
+            ],
+            dim=2,
+        )
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+QUERY_GROUP_ROWS = 128  # smallest query group worth its own kernel call
+QUERY_GROUPS = 8
+
+
+def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tuple[slice, slice]]:
+    """Split queries into position-ordered groups, each with the only key range it can see.
+
+    A masked kernel computes every (query, key) pair, masked or not; when queries and keys are
+    both in position order, group g only needs keys up to its last query's position (and, with a
+    window, from its first query's window start), so a long masked prefill costs about what a
+    causal one does. The result is the same attention: only fully masked keys are left out.
+    """
+    tq = q_pos.shape[0]
+    whole = [(slice(0, tq), slice(0, k_pos.shape[0]))]
+    if tq < 2 * QUERY_GROUP_ROWS or k_pos.shape[0] < 2 * QUERY_GROUP_ROWS:
+        return whole
+    if bool((q_pos[1:] < q_pos[:-1]).any()) or bool((k_pos[1:] < k_pos[:-1]).any()):
+        return whole
+    groups = min(QUERY_GROUPS, tq // QUERY_GROUP_ROWS)
+    bounds = [round(i * tq / groups) for i in range(groups + 1)]
+    firsts = q_pos[bounds[:-1]]
+    lasts = q_pos[[b - 1 for b in bounds[1:]]]
+    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
+    if window is None:
+        los = [0] * groups
+    else:
+        los = torch.searchsorted(k_pos, firsts - window + 1).tolist()
+    return [(slice(bounds[i], bounds[i + 1]), slice(los[i], his[i])) for i in range(groups)]
+
+
+def _masked_attention(
+    q4: Tensor,
+    k4: Tensor,
+    v4: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None,
+    gqa: bool,
+) -> Tensor:
+    """SDPA over [1, heads, T, d] inputs with the mask from positions; returns [1, nh, Tq, d]."""
+    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+    if bool(mask.all()):
+        mask = None
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
 class RopeTables:
