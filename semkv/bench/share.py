@@ -355,7 +355,7 @@ def run(args) -> int:
         seed=args.seed,
     )
     out = Path(args.out)
-    plots = make_plots(out, summary)
+    plots = make_plots(out, summary) + threshold_plot(out, rows, base.min_match_rate)
     notes = targets_check(summary, lookups) + "\n## Reference index lookup\n\n"
     from semkv.bench.report import markdown_table
 
@@ -426,6 +426,35 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def threshold_plot(out: Path, rows: list[dict[str, Any]], threshold: float) -> list[Path]:
+    """First-token KL of every share target against its aligned match rate, with the default
+    ``min_match_rate`` drawn as a vertical line (targets left of it are refused by default)."""
+    paths = []
+    for variant in sorted({r["variant"] for r in rows}):
+        series = {}
+        top = 0.0
+        for method in ("share_decay", "share_constant", "elimination"):
+            pts = sorted(
+                (r["aligned_rate"], r["kl_first"])
+                for r in rows
+                if r["variant"] == variant and r["method"] == method
+            )
+            if pts:
+                series[method] = ([p[0] for p in pts], [p[1] for p in pts])
+                top = max(top, max(p[1] for p in pts))
+        series[f"default min_match_rate {threshold}"] = ([threshold, threshold], [0.0, top])
+        path = out / f"share_{variant}_kl_vs_match_rate.png"
+        line_plot(
+            path,
+            series,
+            "aligned match rate of the target",
+            "first-token KL vs full prefill (nats)",
+            f"share, {variant} papers: quality vs similarity",
+        )
+        paths.append(path)
+    return paths
 
 
 def make_plots(out: Path, summary: list[dict[str, Any]]) -> list[Path]:
