@@ -69,6 +69,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="suffix of the result files (sparse<tag>.json)")
+    p.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="only the interleaved speed measurement (dense and each policy step by step, in turn)",
+    )
+    p.add_argument(
+        "--speed-steps", type=int, default=16, help="decode steps per policy in the speed measurement"
+    )
+    p.add_argument(
+        "--speed-policies", nargs="+", default=["keykey", "hybrid", "quest", "streaming", "snapkv"]
+    )
 
 
 @dataclass
@@ -348,6 +359,56 @@ def _plots(out: Path, name: str, rows: list[dict[str, Any]]) -> None:
                 )
 
 
+@torch.inference_mode()
+def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Decode dense and every policy in turn, one step each, rotating the order every step, so a
+    machine whose load changes by the second slows all of them alike. Ratios are per step pair."""
+    runtime, bs = engine.runtime, engine.config.block_size
+    ids = build_layout(engine.tokenizer, case.prompt, None, []).token_ids
+    base = runtime.new_cache(len(ids) + args.speed_steps + 2)
+    with capture_prefill_queries(runtime, base) as captured:
+        first = int(runtime.prefill(base, ids).argmax())
+    labels = ["dense", *args.speed_policies]
+    decoders = {
+        label: None
+        if label == "dense"
+        else SparseDecoder(make_policy(label), SparseConfig(kv_budget=args.ablation_budget), bs, captured)
+        for label in labels
+    }
+    caches = {label: copy.deepcopy(base) for label in labels}
+    tokens = dict.fromkeys(labels, first)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for step in tqdm(range(args.speed_steps), desc=f"interleaved speed {len(ids)} tok", unit="step"):
+        for label in labels[step % len(labels) :] + labels[: step % len(labels)]:
+            start = time.perf_counter()
+            logits = runtime.decode(caches[label], tokens[label], decoders[label])
+            times[label].append(time.perf_counter() - start)
+            tokens[label] = int(logits.argmax())
+    rows = []
+    dense = times["dense"][1:]
+    for label in labels:
+        timed = times[label][1:]  # the first step builds the summaries of the prompt's blocks
+        decoder = decoders[label]
+        stats = decoder.stats(sum(timed)) if decoder is not None else {}
+        steady = decoder.records[1:] if decoder is not None else []
+        rows.append(
+            {
+                "length": len(ids),
+                "policy": label,
+                "budget": args.ablation_budget if decoder is not None else 1.0,
+                "steps": len(timed),
+                "ms_per_token": 1000 * median(timed),
+                "speedup_vs_dense": median([d / t for d, t in zip(dense, timed, strict=True)]),
+                "select_share": (sum(r.select_s for r in steady) / sum(timed)) if steady else 0.0,
+                "move_share": (sum(r.gather_s for r in steady) / sum(timed)) if steady else 0.0,
+                "prepare_s": stats.get("prepare_s", 0.0),
+                "resident_kv_MB": (stats.get("resident_kv_bytes") or 0) / 1e6,
+                "dense_kv_MB": base.nbytes() / 1e6,
+            }
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
@@ -363,6 +424,14 @@ def run(args: argparse.Namespace) -> int:
     name = f"sparse{args.tag}"
     heat_dir = out / f"{name}_heatmaps"
     heat_dir.mkdir(parents=True, exist_ok=True)
+    if args.speed_only:
+        rows = []
+        for length in args.lengths:
+            case = make_cases(engine.tokenizer, length, 1, seed=args.seed)[0]
+            rows += interleaved_speed(engine, case, args)
+            write_results(out, f"{name}_speed", rows, vars_config(args), notes=SPEED_NOTES)
+        print((out / f"{name}_speed.md").read_text())
+        return 0
     configs = _configs(args)
     # warm-up (excluded): one short prefill + decodes through the sparse path
     warm = make_cases(engine.tokenizer, 512, 1, seed=args.seed + 99)[0]
@@ -407,4 +476,11 @@ seed's section 3.3 measure); speedup_vs_dense = median over cases of dense ms/to
 (same run, same prefilled cache); select_share = selection time / decode time; resident_kv_MB = fast-tier
 KV at rest after the last step; loaded_per_step = blocks (all layers) copied from the slow tier per step
 after the first. Budgets count the selected middle blocks; the sink block and the ~32-token window come on top.
+"""
+
+SPEED_NOTES = """
+Interleaved: dense and each policy decode one step each in turn (order rotated every step) from
+copies of one prefilled cache; speedup_vs_dense = median over steps of dense step time / policy step
+time. select_share / move_share: selection / fast-tier movement time over decode time (steady
+steps). prepare_s: building the prompt blocks' summaries once (the work done when blocks are written).
 """
