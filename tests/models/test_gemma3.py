@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_hf_model
 
 from semkv.bench.data import haystack
-from semkv.config import StoreConfig
+from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.models import Runtime, adapter_for
 from semkv.models.gemma3 import Gemma3Adapter
@@ -120,3 +120,25 @@ def test_engine_generates_hf_greedy_tokens(gemma3_engine):
         torch.tensor([prompt_ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
     )[0, len(prompt_ids) :].tolist()
     assert g.token_ids == expected
+
+
+@pytest.mark.real_model
+def test_gemma3_blend_at_full_ratio_equals_full_prefill_beyond_the_window(gemma3_engine, tmp_path):
+    """Two ~280-token chunks blended at new positions (the prompt passes the 512 window) with
+    every row recomputed give the full-prefill logits and tokens (KV fp32)."""
+    base = gemma3_engine
+    config = EngineConfig(
+        model="gemma3-270m", home=tmp_path, kv_dtype="float32", store=StoreConfig(disk=False)
+    )
+    engine = Engine(config, base.hf_model, base.tokenizer, name="gemma3-270m")
+    tok = engine.tokenizer
+    ids = tok(haystack(tok, 560), add_special_tokens=False)["input_ids"]
+    chunks = [tok.decode(ids[:280]), tok.decode(ids[280:])]
+    engine.add_chunks(chunks)
+    question = "What is the essay about?"
+    kw = dict(prompt=question, chunks=chunks, max_new_tokens=4, stop_at_eos=False, store_prompt=False)
+    full = engine.generate(reuse="none", **kw)
+    blend = engine.generate(reuse="blend", recompute_ratio=1.0, **kw)
+    assert blend.stats["path"] == "blend" and blend.stats["prompt_tokens"] > 512
+    torch.testing.assert_close(blend.first_logits, full.first_logits, atol=1e-4, rtol=0)
+    assert blend.token_ids == full.token_ids
