@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ablation-budget", type=float, default=0.1, help="budget of the Key-Key ablation")
     p.add_argument("--no-ablation", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--heatmaps", type=int, default=1000, help="at most this many heat maps per length")
     p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
     p.add_argument("--seed", type=int, default=0)
@@ -223,7 +223,11 @@ def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> 
     info = {"prompt_tokens": len(ids), "prefill_s": prefill_s, "needle_blocks": sorted(needle_blocks)}
     runs = []
     dense_tokens, dense_steps, _ = decode_run(runtime, base, first, steps, None)
-    runs.append(Run("dense", None, dense_tokens, tokenizer.decode(dense_tokens), dense_steps))
+    runs.append(
+        Run(
+            "dense", None, dense_tokens, tokenizer.decode(dense_tokens, skip_special_tokens=True), dense_steps
+        )
+    )
     sparse_cfg = SparseConfig(kv_budget=0.1)
     for label, budget, options in configs:
         decoder = SparseDecoder(
@@ -237,7 +241,7 @@ def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> 
             label,
             budget,
             tokens,
-            tokenizer.decode(tokens),
+            tokenizer.decode(tokens, skip_special_tokens=True),
             step_s,
             decoder.stats(sum(step_s)),
             decoder=decoder,
