@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from conftest import TINY_FAMILIES
 from semkv.engine import Engine
+from tests.conftest import TINY_FAMILIES
 
 DOC = " ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(40))
 
@@ -87,7 +87,6 @@ def test_prefix_reuse_persists_across_processes(tmp_path, make_smol_engine):
     script = textwrap.dedent(
         f"""
         import json, sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
         from semkv.config import EngineConfig, default_home
         from semkv.engine import Engine
         from semkv.models.loader import load_model

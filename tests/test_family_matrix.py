@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, tiny_hf_model
 
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.request import GenerateRequest
 from semkv.reuse.share import ShareConfig
 from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, capture_prefill_queries, make_policy
+from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
 ATOL = 1e-4
 NEW_TOKENS = 8

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf_model
 
 from semkv.bench.data import haystack
 from semkv.config import EngineConfig, StoreConfig
@@ -16,6 +15,7 @@ from semkv.engine import Engine
 from semkv.models import Runtime, adapter_for
 from semkv.models.gemma3 import Gemma3Adapter
 from semkv.request import GenerateRequest
+from tests.conftest import tiny_hf_model
 
 
 def _runtime(model) -> Runtime:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, tiny_hf_model
 
 from semkv.models import Runtime, adapter_for
+from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
 
 def _runtime(model) -> Runtime:

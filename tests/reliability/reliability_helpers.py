@@ -12,13 +12,13 @@ import struct
 from pathlib import Path
 
 import torch
-from conftest import tiny_hf_model
 
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.request import GenerateRequest
 from semkv.store.entry import MAGIC, KVEntry
 from semkv.store.keys import EntryKind, chunk_key, prefix_block_keys
+from tests.conftest import tiny_hf_model
 
 FP = "f" * 64
 

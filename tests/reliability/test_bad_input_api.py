@@ -22,12 +22,12 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import PROMPT, engine_at
 
 from semkv.config import StoreConfig
 from semkv.engine import Engine
 from semkv.request import GenerateRequest
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import PROMPT, engine_at
 
 LONG = "word " * 2100  # > 2048 positions of the tiny model
 

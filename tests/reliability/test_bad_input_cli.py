@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 import pytest
-from reliability_helpers import run_cli, save_tiny_checkpoint
+
+from tests.reliability.reliability_helpers import run_cli, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

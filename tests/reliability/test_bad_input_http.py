@@ -19,11 +19,11 @@ import json
 import random
 
 import pytest
-from conftest import tiny_hf_model
 from fastapi.testclient import TestClient
-from reliability_helpers import engine_at
 
 from semkv.server import ServerConfig, create_app
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import engine_at
 
 MODEL = "tiny"
 GOOD = {"model": MODEL, "prompt": "Tell me about the harbour.", "max_tokens": 3}

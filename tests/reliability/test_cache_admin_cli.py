@@ -18,9 +18,9 @@ import json
 import os
 
 import pytest
-from reliability_helpers import run_cli, save_tiny_checkpoint
 
 from semkv.store.entry import decode
+from tests.reliability.reliability_helpers import run_cli, save_tiny_checkpoint
 
 PROMPT = "The store keeps what the engine computed; verify finds what the disk broke."
 

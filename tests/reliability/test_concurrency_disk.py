@@ -18,11 +18,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 
-from reliability_helpers import same_kv, small_entry
-
 import semkv.store.tiers as tiers_module
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
+from tests.reliability.reliability_helpers import same_kv, small_entry
 
 CTX = mp.get_context("fork")
 PROCS = 4

@@ -16,12 +16,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 
-from reliability_helpers import FP, same_kv, small_entry
-
 from semkv.store import DiskTier, KVStore, MemoryTier
 from semkv.store.entry import decode
 from semkv.store.keys import EntryKind
 from semkv.store.redis_tier import RedisTier
+from tests.reliability.reliability_helpers import FP, same_kv, small_entry
 
 CTX = mp.get_context("fork")
 PROCS = 4

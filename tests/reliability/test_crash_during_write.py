@@ -19,10 +19,10 @@ import random
 import signal
 
 import pytest
-from reliability_helpers import same_kv, small_entry
 
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
+from tests.reliability.reliability_helpers import same_kv, small_entry
 
 RANDOM_KILLS = 60
 

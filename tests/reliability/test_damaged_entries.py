@@ -23,11 +23,17 @@ import struct
 
 import pytest
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import PROMPT, block_keys_of, engine_at, join_entry_bytes, split_entry_bytes
 
 from semkv.store.entry import MAGIC, decode
 from semkv.store.tiers import DiskTier
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import (
+    PROMPT,
+    block_keys_of,
+    engine_at,
+    join_entry_bytes,
+    split_entry_bytes,
+)
 
 DAMAGED_BLOCK = 5
 NEW_TOKENS = 4

@@ -16,12 +16,12 @@ import errno
 
 import pytest
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import PROMPT, block_keys_of, engine_at
 
 import semkv.store.tiers as tiers_module
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
 
 OTHER = "A second prompt, served while the disk is full."
 

@@ -19,12 +19,12 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import FP, engine_at, small_entry
 
 import semkv.store.keys as keys_module
 from semkv.store import DiskTier, KVStore, MemoryTier
 from semkv.store.keys import EntryKey, EntryKind, prefix_block_keys
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import FP, engine_at, small_entry
 
 PROMPT_A = "Alpha said: the quick brown fox jumps over the lazy dog and runs home."
 PROMPT_B = "Omega said: the quick brown fox jumps over the lazy dog and runs home."

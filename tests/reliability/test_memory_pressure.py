@@ -20,7 +20,6 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_hf_model
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -30,11 +29,12 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from reliability_helpers import FP, engine_at, same_kv, small_entry
 
 import semkv.store.tiers as tiers_module
 from semkv.store import DiskTier, KVStore, MemoryTier
 from semkv.store.keys import EntryKind
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import FP, engine_at, same_kv, small_entry
 
 BUDGET = 2048
 RUNS = {"examples": 0, "steps": 0}

@@ -26,8 +26,9 @@ import time
 import pytest
 import redis
 import torch
-from conftest import RedisServer, tiny_hf_model
-from reliability_helpers import block_keys_of, engine_at
+
+from tests.conftest import RedisServer, tiny_hf_model
+from tests.reliability.reliability_helpers import block_keys_of, engine_at
 
 TIMEOUT_S = 0.2
 SLACK_S = 0.6  # scheduling noise on a loaded 2-core machine

@@ -12,11 +12,11 @@ same home reuses it from disk.
 from __future__ import annotations
 
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import PROMPT, block_keys_of, engine_at
 
 from semkv.store.cache_admin import cache_command
 from semkv.store.tiers import DiskTier
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
 
 NEW = "A new prompt after the store folder vanished."
 

@@ -17,12 +17,12 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_hf_model
-from reliability_helpers import PROMPT, block_keys_of, engine_at
 
 import semkv.store.keys as keys_module
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
+from tests.conftest import tiny_hf_model
+from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
 
 
 def index_only_block_key(fingerprint, block_size, parent, token_ids):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, tiny_hf_model
 
 from semkv.bench.metrics import logit_kl
 from semkv.config import EngineConfig, StoreConfig
@@ -17,6 +16,7 @@ from semkv.engine import Engine
 from semkv.request import GenerateRequest
 from semkv.reuse.blend import BlendConfig
 from semkv.store.keys import EntryKind, chunk_key
+from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
 DOCS = [
     "The lighthouse keeper of Varn Island counted ships every night and wrote their names in a blue book. "

@@ -64,9 +64,8 @@ def test_bad_quest_and_config():
 
 
 def test_policy_needing_prefill_queries_refuses_without_them(tokenizer):
-    from conftest import tiny_hf_model
-
     from semkv.models import Runtime, adapter_for
+    from tests.conftest import tiny_hf_model
 
     runtime = Runtime(adapter_for("llama")(tiny_hf_model("llama", len(tokenizer))), torch.float32)
     cache = runtime.new_cache(80)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf_model
 
 from semkv.models import Runtime, adapter_for
 from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, capture_prefill_queries, make_policy
+from tests.conftest import tiny_hf_model
 
 BLOCK = 4
 STEPS = 10
