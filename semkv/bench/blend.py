@@ -142,7 +142,7 @@ class RowSpec:
     reuse: str
     ratio: float | None = None
     config: BlendConfig | None = None
-    sink: str = "template"
+    sink: str = BlendConfig.sink  # the sink the chunks of this row are precomputed with
 
 
 def _main_rows(ratios: list[float], default: BlendConfig) -> list[RowSpec]:
