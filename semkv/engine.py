@@ -19,7 +19,7 @@ from semkv.models.cache import KVCache
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.runtime import Runtime
 from semkv.prompt import PromptLayout, build_layout
-from semkv.request import GenerateRequest, Generation
+from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest, Generation
 from semkv.reuse import POST_PREFILL_HOOKS, REUSE_PATHS, Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.prefix import store_prefix
 from semkv.sparse import SparseDecoder
@@ -132,6 +132,13 @@ class Engine:
             best = REUSE_PATHS["full"].plan(self.ctx, request, layout)
         return best, refusals
 
+    def kv_budget_for(self, request: GenerateRequest) -> float | int:
+        """The request's kv_budget, else the calibrated budget of its sparse policy, else the default."""
+        if request.kv_budget is not None:
+            return request.kv_budget
+        policy = getattr(request.sparse, "name", request.sparse)
+        return self.ctx.settings.get("kv_budget", {}).get(policy, DEFAULT_KV_BUDGET)
+
     # -- the pipeline --------------------------------------------------------------------------------
     def generate(
         self, prompt: str | None = None, on_token: Callable[[int], bool | None] | None = None, **options: Any
@@ -154,7 +161,7 @@ class Engine:
         start = time.perf_counter()
         plan, refusals = self.plan(request, layout)
         cache = self.runtime.new_cache(len(prompt_ids) + request.max_new_tokens)
-        sparse = decoder_for(request.sparse, request.kv_budget, self.config.block_size)
+        sparse = decoder_for(request.sparse, self.kv_budget_for(request), self.config.block_size)
         with prefill_capture(sparse, self.runtime, cache):
             outcome = REUSE_PATHS[plan.path].prefill(self.ctx, plan, cache)
         generator = torch.Generator().manual_seed(request.seed)

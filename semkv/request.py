@@ -12,6 +12,7 @@ from typing import Any
 
 REUSE_MODES = ("auto", "none", "prefix", "share", "blend")
 MAX_NEW_TOKENS_LIMIT = 8192
+DEFAULT_KV_BUDGET = 0.1
 
 
 @dataclass
@@ -37,8 +38,11 @@ class GenerateRequest:
     share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
     recompute_ratio: float | None = None  # reuse="blend": fraction of cached chunk tokens recomputed
     blend: Any = None  # semkv.reuse.blend.BlendConfig (or a dict of its fields) for reuse="blend"/"auto"
-    sparse: Any = None  # sparse decode policy: None/"dense", a name in semkv.sparse.POLICIES, or a SparsePolicy
-    kv_budget: float | int = 0.1  # sparse decode: blocks per step, a fraction of the context or a token count
+    sparse: Any = (
+        None  # sparse decode policy: None/"dense", a name in semkv.sparse.POLICIES, or a SparsePolicy
+    )
+    kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
+    # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -77,7 +81,10 @@ class GenerateRequest:
                 raise ValueError(f"blend must be a BlendConfig or a dict, got {type(self.blend).__name__}")
         from semkv.sparse import SparsePolicy, validate_sparse  # lazy, like share/blend above
 
-        validate_sparse(None if isinstance(self.sparse, SparsePolicy) else self.sparse, self.kv_budget)
+        validate_sparse(
+            None if isinstance(self.sparse, SparsePolicy) else self.sparse,
+            DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,
+        )
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"unknown reuse mode {self.reuse!r}; choose one of {', '.join(REUSE_MODES)}")
         _check_number("temperature", self.temperature)

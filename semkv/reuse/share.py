@@ -168,9 +168,13 @@ class ShareConfig:
         return (1.0 + sum(self.ratios(num_layers).values())) / num_layers
 
 
-def share_config_of(request: GenerateRequest) -> ShareConfig:
+def share_config_of(request: GenerateRequest, settings: dict | None = None) -> ShareConfig:
+    """The request's ShareConfig, else the engine's calibrated default (``ctx.settings``), else the defaults."""
     config = getattr(request, "share", None)
-    return config if isinstance(config, ShareConfig) else ShareConfig()
+    if isinstance(config, ShareConfig):
+        return config
+    default = (settings or {}).get("share")
+    return default if isinstance(default, ShareConfig) else ShareConfig()
 
 
 # -- matching (pure functions over token ids and signature bits) ------------------------------------
@@ -376,7 +380,7 @@ def remember_prompt(
     outcome: PrefillOutcome,
 ) -> None:
     """POST_PREFILL_HOOK: store an exactly prefilled prompt's KV + token signatures; index it."""
-    config = share_config_of(request)
+    config = share_config_of(request, ctx.settings)
     token_ids = layout.token_ids
     if not outcome.exact or len(token_ids) < config.min_tokens:
         return
@@ -425,7 +429,7 @@ class SharePath:
     def plan(
         self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
     ) -> SharePlan | Refusal:
-        config = share_config_of(request)
+        config = share_config_of(request, ctx.settings)
         token_ids = layout.token_ids
         if len(token_ids) < config.min_tokens:
             return Refusal(self.name, f"prompt of {len(token_ids)} tokens < min_tokens {config.min_tokens}")

@@ -82,6 +82,7 @@ class SparseDecoder:
         self._step = -1
         self._step_state: dict[str, Any] = {}
         self.prepare_s = 0.0
+        self._prepared = False
 
     # -- set-up ---------------------------------------------------------------------------------
     def _begin(self, cache: KVCache) -> None:
@@ -93,12 +94,15 @@ class SparseDecoder:
         if not self.policy.is_dense:
             hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
             self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer)
-        sink, win_block, _ = self._geometry(cache)
-        self.index.update(win_block)
-        view = StepView(cache, self.index, torch.arange(sink, win_block), 0, -1, prefill=self.prefill)
+
+    def _prepare(self, cache: KVCache, candidates: Tensor) -> None:
+        """Summaries of the blocks written so far (the work done when blocks are written). Deferred to
+        the first step that really selects: a short prompt may have no complete block to summarise."""
+        view = StepView(cache, self.index, candidates, 0, -1, prefill=self.prefill)
         start = time.perf_counter()
-        self.policy.prepare(view)  # summaries of the prompt's blocks: the work done when blocks are written
+        self.policy.prepare(view)
         self.prepare_s = time.perf_counter() - start
+        self._prepared = True
 
     def _geometry(self, cache: KVCache) -> tuple[int, int, int]:
         """(sink blocks, first window block, window start row) for the cache's current length."""
@@ -185,6 +189,8 @@ class SparseDecoder:
         record = StepRecord(self._step, cache.length)
         self.records.append(record)
         dense = self.policy.is_dense or (self.config.dense_when_covered and budget >= candidates.numel())
+        if not dense and not self._prepared:
+            self._prepare(cache, candidates)
         self._step_state = {
             "candidates": candidates,
             "budget": budget,

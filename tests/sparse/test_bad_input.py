@@ -23,10 +23,17 @@ def test_unknown_policy(sparse):
         make_policy(sparse)
 
 
-@pytest.mark.parametrize("budget", [0, 0.0, -0.1, 1.5, -3, True, "0.1", None, float("nan")])
+@pytest.mark.parametrize("budget", [0, 0.0, -0.1, 1.5, -3, True, "0.1", float("nan")])
 def test_bad_budget(budget):
     with pytest.raises(ValueError, match="kv_budget"):
         GenerateRequest(prompt="hi", sparse="keykey", kv_budget=budget)
+
+
+def test_no_budget_means_the_default_on_a_request_but_not_on_a_budget():
+    """kv_budget=None on a request = the calibrated/default budget; a Budget itself needs a value."""
+    GenerateRequest(prompt="hi", sparse="keykey", kv_budget=None)
+    with pytest.raises(ValueError, match="kv_budget"):
+        Budget(None)
 
 
 @pytest.mark.parametrize("budget, blocks", [(0.1, 7), (1.0, 64), (16, 1), (17, 2), (1, 1)])
@@ -36,7 +43,7 @@ def test_budget_blocks(budget, blocks):
 
 def test_defaults_are_dense():
     request = GenerateRequest(prompt="hi")
-    assert request.sparse is None and request.kv_budget == 0.1
+    assert request.sparse is None and request.kv_budget is None  # None = calibrated budget, else 0.1
 
 
 @pytest.mark.parametrize(
