@@ -17,12 +17,21 @@ DOC = " ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_prefix_reuse_gives_identical_output(make_tiny_engine, family):
     engine = make_tiny_engine(family, kv_dtype="float32", block_size=4)
-    full = engine.generate(prompt=DOC + " First question?", max_new_tokens=12, reuse="none", stop_at_eos=False)
+    full = engine.generate(
+        prompt=DOC + " First question?", max_new_tokens=12, reuse="none", stop_at_eos=False
+    )
     assert full.stats["path"] == "full" and full.stats["reused_tokens"] == 0
-    again = engine.generate(prompt=DOC + " Second question?", max_new_tokens=12, reuse="auto", stop_at_eos=False)
+    again = engine.generate(
+        prompt=DOC + " Second question?", max_new_tokens=12, reuse="auto", stop_at_eos=False
+    )
     assert again.stats["path"] == "prefix" and again.stats["reused_tokens"] > 0
-    baseline = engine.generate(prompt=DOC + " Second question?", max_new_tokens=12, reuse="none",
-                               stop_at_eos=False, store_prompt=False)
+    baseline = engine.generate(
+        prompt=DOC + " Second question?",
+        max_new_tokens=12,
+        reuse="none",
+        stop_at_eos=False,
+        store_prompt=False,
+    )
     assert again.token_ids == baseline.token_ids
     assert (again.first_logits - baseline.first_logits).abs().max() < 1e-4
 
@@ -41,7 +50,9 @@ def test_fp16_kv_reuse_is_bit_identical(make_tiny_engine):
     engine = make_tiny_engine("qwen2", kv_dtype="float16", block_size=4)
     engine.generate(prompt=DOC + " A?", max_new_tokens=2)
     reused = engine.generate(prompt=DOC + " B?", max_new_tokens=8, stop_at_eos=False)
-    fresh = engine.generate(prompt=DOC + " B?", max_new_tokens=8, reuse="none", stop_at_eos=False, store_prompt=False)
+    fresh = engine.generate(
+        prompt=DOC + " B?", max_new_tokens=8, reuse="none", stop_at_eos=False, store_prompt=False
+    )
     assert reused.stats["path"] == "prefix"
     assert reused.token_ids == fresh.token_ids
     assert (reused.first_logits - fresh.first_logits).abs().max() < 1e-4
@@ -96,9 +107,12 @@ def test_prefix_reuse_persists_across_processes(tmp_path, make_smol_engine):
         print(json.dumps({{"path": g.stats["path"], "reused": g.stats["reused_tokens"], "ids": g.token_ids}}))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
     result = __import__("json").loads(out.stdout.strip().splitlines()[-1])
-    assert result["path"] == "prefix"
+    # an identical stored prompt may also be served by share's exact whole-prompt hit (token-granular)
+    assert result["path"] in ("prefix", "share")
     n = first.stats["prompt_tokens"]
-    assert result["reused"] == min(n // 16 * 16, n - 1)
+    assert result["reused"] >= min(n // 16 * 16, n - 1)
     assert result["ids"] == first.token_ids

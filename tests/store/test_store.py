@@ -65,7 +65,11 @@ def test_codec_roundtrip_and_damage_detection():
     data = encode(e)
     back = decode(data)
     assert back.key == e.key and back.token_ids == [5, 6, 7] and back.meta == {"text": "hello"}
-    assert torch.equal(back.k, e.k) and torch.equal(back.v, e.v) and torch.equal(back.extras["summary"], e.extras["summary"])
+    assert (
+        torch.equal(back.k, e.k)
+        and torch.equal(back.v, e.v)
+        and torch.equal(back.extras["summary"], e.extras["summary"])
+    )
     flipped = bytearray(data)
     flipped[-3] ^= 0x01
     with pytest.raises(CorruptEntry, match="checksum"):
