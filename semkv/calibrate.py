@@ -637,14 +637,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         window_variant=args.window_variant,
     )
     # A memory-only store: calibration's chunks and prompts never land in the user's disk store.
-    engine = Engine.from_pretrained(
-        args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads,
-        store=StoreConfig(disk=False),
-    )
+    engine = Engine.from_args(args, store=StoreConfig(disk=False))
     remove_profile(engine.ctx.settings)  # measure the techniques themselves, not an older profile's defaults
     try:
         profile = calibrate(engine, config)

@@ -26,9 +26,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine(args: argparse.Namespace):
     from semkv.engine import Engine
 
-    return Engine.from_pretrained(
-        args.model, home=args.home, kv_dtype=args.kv_dtype, block_size=args.block_size, threads=args.threads
-    )
+    return Engine.from_args(args)
 
 
 def _read_text_file(path: str) -> str:

@@ -90,6 +90,20 @@ class Engine:
         loaded = load_model(config.model, config.home_path, config.models_path)
         return cls(config, loaded.hf_model, loaded.tokenizer, name=loaded.name)
 
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> Engine:
+        """An engine from the standard CLI flags (``--model --home --kv-dtype --block-size --threads``,
+        and ``--models-dir`` where a command has it); ``overrides`` replace or add keyword arguments."""
+        options: dict[str, Any] = {
+            "home": args.home,
+            "kv_dtype": args.kv_dtype,
+            "block_size": args.block_size,
+            "threads": args.threads,
+            "models_dir": getattr(args, "models_dir", None),
+        }
+        options.update(overrides)
+        return cls.from_pretrained(args.model, **options)
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (

@@ -342,14 +342,7 @@ def run(args: argparse.Namespace) -> int:
     if not variants or min(variants) < 1 or args.questions < 1:
         raise ValueError("need at least one variant of >= 1 chunk and >= 1 question")
     # memory-only store: the bench measures compute, and full prompts' KV would fill the disk
-    engine = Engine.from_pretrained(
-        model=args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads or 1,
-        store=StoreConfig(disk=False),
-    )
+    engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
     pool = build_pool(engine.tokenizer, max(args.pool, max(variants)), args.chunk_tokens, args.seed)
     # the template (with the example turn) is stored once as prefix blocks: prefix caching and blend load it
     engine.generate(messages=messages_for("Hello?"), max_new_tokens=1)

@@ -163,14 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
     # memory-only store: earlier runs cannot pre-warm the measurement
-    engine = Engine.from_pretrained(
-        args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads,
-        store=StoreConfig(disk=False),
-    )
+    engine = Engine.from_args(args, store=StoreConfig(disk=False))
     tokenizer = engine.tokenizer
     document = haystack(tokenizer, args.context_tokens - 120, start_essay=3)
     ids = tokenizer(haystack(tokenizer, args.context_tokens), add_special_tokens=False)["input_ids"]

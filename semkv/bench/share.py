@@ -284,14 +284,8 @@ def run(args) -> int:
         args.papers, args.variant, args.edits, args.max_new_tokens = 1, "short", "0,30", 16
         args.index_sizes, args.index_queries = "1000", 50
     torch.set_num_threads(args.threads or 1)
-    engine = Engine.from_pretrained(
-        args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads or 1,
-        store=StoreConfig(disk=False),  # a fresh, in-memory store: only this run's prompts
-    )
+    # a fresh, in-memory store: only this run's prompts
+    engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
     tokenizer = engine.tokenizer
     papers = load_papers(args.split)
     targets = _targets(args, tokenizer, papers[: args.papers])

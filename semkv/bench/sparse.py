@@ -417,13 +417,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
     torch.set_num_threads(args.threads or 1)
-    engine = Engine.from_pretrained(
-        args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads or 1,
-    )
+    engine = Engine.from_args(args, threads=args.threads or 1)
     out = Path(args.out)
     name = f"sparse{args.tag}"
     heat_dir = out / f"{name}_heatmaps"

@@ -73,15 +73,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis,
         redis_timeout_s=args.redis_timeout,
     )
-    engine = Engine.from_pretrained(
-        args.model,
-        home=args.home,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads,
-        store=store,
-        models_dir=args.models_dir,
-    )
+    engine = Engine.from_args(args, store=store)
     app = create_app(engine, config)
     log.warning("semkv serving %s on http://%s:%d", app.state.semkv.model_name, args.host, args.port)
     try:
