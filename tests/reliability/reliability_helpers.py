@@ -107,3 +107,16 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_processes(procs, timeout: float = 120.0) -> None:
+    """Start every process, wait for all, kill stragglers; each must exit 0."""
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0] * len(procs), f"a process failed: exit codes {codes}"

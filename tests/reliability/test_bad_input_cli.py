@@ -29,10 +29,9 @@ def checkpoint(tmp_path_factory, tokenizer):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", tokenizer)
 
 
-@pytest.fixture
-def home(tmp_path, checkpoint, capsys):
-    home = tmp_path / "home"
-    code, _, _ = run_cli(
+def _store_prompt(checkpoint, home, capsys) -> tuple[int, str, str]:
+    """`semkv generate` of one short prompt (block size 4), so its blocks land in ``home``'s store."""
+    return run_cli(
         [
             "generate",
             "A prompt to store.",
@@ -47,6 +46,12 @@ def home(tmp_path, checkpoint, capsys):
         ],
         capsys,
     )
+
+
+@pytest.fixture
+def home(tmp_path, checkpoint, capsys):
+    home = tmp_path / "home"
+    code, _, _ = _store_prompt(checkpoint, home, capsys)
     assert code == 0
     return home
 
@@ -93,21 +98,7 @@ def test_bad_invocations_exit_2_with_a_clear_message(tmp_path, checkpoint, home,
         assert needle.lower() in err.lower(), (argv[:3], err)
         assert "Traceback" not in err and out == ""
         assert snapshot(home) == before
-    code, out, err = run_cli(
-        [
-            "generate",
-            "A prompt to store.",
-            "--model",
-            str(checkpoint),
-            "--home",
-            str(home),
-            "--max-new-tokens",
-            "2",
-            "--block-size",
-            "4",
-        ],
-        capsys,
-    )
+    code, out, err = _store_prompt(checkpoint, home, capsys)
     assert code == 0 and int(re.search(r'"reused_tokens": (\d+)', err).group(1)) > 0
 
 

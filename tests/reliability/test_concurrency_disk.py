@@ -21,7 +21,7 @@ import random
 import semkv.store.tiers as tiers_module
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
-from tests.reliability.reliability_helpers import same_kv, small_entry
+from tests.reliability.reliability_helpers import run_processes, same_kv, small_entry
 
 CTX = mp.get_context("fork")
 PROCS = 4
@@ -60,23 +60,11 @@ def _hammer(root, barrier, results, seed: int) -> None:
     results.put((reads, hits))
 
 
-def run(procs, timeout: float = 120.0) -> None:
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * len(procs), f"a process failed: exit codes {codes}"
-
-
 def test_processes_hammer_the_same_keys(tmp_path):
     root = tmp_path / "store"
     DiskTier(root)
     barrier, results = CTX.Barrier(PROCS), CTX.Queue()
-    run([CTX.Process(target=_hammer, args=(root, barrier, results, seed)) for seed in range(PROCS)])
+    run_processes([CTX.Process(target=_hammer, args=(root, barrier, results, seed)) for seed in range(PROCS)])
     counts = [results.get(timeout=5) for _ in range(PROCS)]
     reads, hits = sum(c[0] for c in counts), sum(c[1] for c in counts)
     print(f"\n[concurrency-disk] {PROCS} processes x {ROUNDS} rounds: {reads} reads, {hits} hits, all exact")
@@ -115,12 +103,12 @@ def test_reader_and_new_process_during_a_held_write(tmp_path):
     writer.start()
     assert wrote_temp.wait(30)
     assert len(list(root.glob(f"*/{DiskTier.TMP_PREFIX}*"))) == 1  # the write is in flight
-    run([CTX.Process(target=_reader, args=(root, entry.key, entry, results))])
+    run_processes([CTX.Process(target=_reader, args=(root, entry.key, entry, results))])
     assert results.get(timeout=5) == ("miss", 0)  # no partial entry seen; the live temp file kept
     release.set()
     writer.join(30)
     assert writer.exitcode == 0 and done.is_set()
-    run([CTX.Process(target=_reader, args=(root, entry.key, entry, results))])
+    run_processes([CTX.Process(target=_reader, args=(root, entry.key, entry, results))])
     assert results.get(timeout=5) == ("exact", 0)
 
 

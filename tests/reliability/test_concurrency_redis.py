@@ -20,7 +20,7 @@ from semkv.store import DiskTier, KVStore, MemoryTier
 from semkv.store.entry import decode
 from semkv.store.keys import EntryKind
 from semkv.store.redis_tier import RedisTier
-from tests.reliability.reliability_helpers import FP, same_kv, small_entry
+from tests.reliability.reliability_helpers import FP, run_processes, same_kv, small_entry
 
 CTX = mp.get_context("fork")
 PROCS = 4
@@ -67,23 +67,11 @@ def _hammer(root, url, barrier, results, seed: int) -> None:
     results.put((reads, hits))
 
 
-def run(procs, timeout: float = 120.0) -> None:
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * len(procs), f"a process failed: exit codes {codes}"
-
-
 def test_processes_share_one_redis_and_one_folder(tmp_path, redis_server):
     root = tmp_path / "store"
     DiskTier(root)
     barrier, results = CTX.Barrier(PROCS), CTX.Queue()
-    run(
+    run_processes(
         [
             CTX.Process(target=_hammer, args=(root, redis_server.url, barrier, results, s))
             for s in range(PROCS)
