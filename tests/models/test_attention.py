@@ -1,0 +1,74 @@
+"""The attention kernels agree with a plain masked softmax on scattered positions (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from semkv.models.runtime import SPLIT_QUERY_ROWS, attention
+
+
+def reference(q, k, v, q_pos, k_pos, scaling, window=None):
+    """Dense softmax over visible keys, per head; q [nh, Tq, d], k/v [kvh, Tk, d] -> [Tq, nh*d]."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        visible &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+    scores = (q @ k.transpose(1, 2)) * scaling
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _case(seed: int, num_keys: int, num_queries: int, step: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    k_pos = torch.arange(0, num_keys * step, step)
+    picked = torch.randperm(num_keys - 1, generator=gen)[: num_queries - 1].sort().values
+    q_pos = torch.cat([k_pos[picked], k_pos[-1:]])
+    q = torch.randn(6, num_queries, 16, generator=gen)
+    k = torch.randn(2, num_keys, 16, generator=gen)
+    v = torch.randn(2, num_keys, 16, generator=gen)
+    return q, k, v, q_pos, k_pos
+
+
+@pytest.mark.parametrize("num_queries", [3, 2 * SPLIT_QUERY_ROWS, 5 * SPLIT_QUERY_ROWS + 7])
+def test_scattered_queries_match_reference(num_queries):
+    q, k, v, q_pos, k_pos = _case(0, 900, num_queries)
+    scaling = 1 / math.sqrt(16)
+    torch.testing.assert_close(
+        attention(q, k, v, q_pos, k_pos, scaling),
+        reference(q, k, v, q_pos, k_pos, scaling),
+        atol=1e-5,
+        rtol=1e-4,
+    )
+
+
+def test_queries_between_keys_match_reference():
+    """Queries at odd positions over keys at even ones: the first query of a group can see no key of
+    its group's band (a fully masked band row) and must take the keys before the band alone, not NaN."""
+    q, k, v, _, k_pos = _case(1, 700, 3 * SPLIT_QUERY_ROWS)
+    k_pos = torch.arange(0, 2 * 700, 2)
+    q_pos = torch.arange(1, 2 * 3 * SPLIT_QUERY_ROWS, 2) * 3
+    out = attention(q, k, v, q_pos, k_pos, 0.25)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-4)
+
+
+def test_sliding_window_and_unsorted_positions_match_reference():
+    q, k, v, q_pos, k_pos = _case(2, 600, 3 * SPLIT_QUERY_ROWS)
+    torch.testing.assert_close(
+        attention(q, k, v, q_pos, k_pos, 0.25, window=100),
+        reference(q, k, v, q_pos, k_pos, 0.25, window=100),
+        atol=1e-5,
+        rtol=1e-4,
+    )
+    order = torch.randperm(q_pos.shape[0], generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(
+        attention(q[:, order], k, v, q_pos[order], k_pos, 0.25),
+        reference(q[:, order], k, v, q_pos[order], k_pos, 0.25),
+        atol=1e-5,
+        rtol=1e-4,
+    )
