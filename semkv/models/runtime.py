@@ -91,6 +91,8 @@ def attention(
     if causal_prefix and (window is None or q.shape[1] <= window):
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling, enable_gqa=gqa)
     elif _splittable(q, k, q_pos, k_pos, window):
+        if _is_suffix(q_pos, k_pos):
+            return _suffix_attention(q, k, v, scaling)
         return _split_attention(q, k, v, q_pos, k_pos, scaling)
     else:
         out = torch.cat(
@@ -205,8 +207,33 @@ def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
             band_lse.masked_fill_(~visible.any(1).repeat(rep), float("-inf"))
             seen, seen_lse = _FLASH_CPU(folded, k4[:, :, :lo], v4[:, :, :lo], scale=scaling)[:2]
             band = _merge(seen, seen_lse, band, band_lse)
-        out[:, a:b] = band.view(nh, n, d)
+        out[:, a:b] = band.reshape(nh, n, d)
     return out.transpose(0, 1).reshape(tq, -1)
+
+
+def _is_suffix(q_pos: Tensor, k_pos: Tensor) -> bool:
+    """The queries are the last keys, in order (a prefill after reused rows, e.g. prefix reuse)."""
+    tq = q_pos.shape[0]
+    return tq <= k_pos.shape[0] and bool((k_pos[-tq:] == q_pos).all())
+
+
+def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
+    """Queries that are the last Tq of the keys: the earlier keys through the unmasked kernel
+    (query heads folded onto their KV head) and the square block through the causal one, merged
+    by log-sum-exp; no masked kernel at all. q: [nh, Tq, d]; k, v: [kvh, Tk, d] -> [Tq, nh * d]."""
+    nh, tq, d = q.shape
+    kvh, tk = k.shape[0], k.shape[1]
+    rep = nh // kvh
+    own_k = k[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
+    own_v = v[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
+    out, lse = _FLASH_CPU(q.unsqueeze(0), own_k, own_v, is_causal=True, scale=scaling)[:2]
+    if tk > tq:
+        folded = q.reshape(1, kvh, rep * tq, d)
+        seen, seen_lse = _FLASH_CPU(
+            folded, k[:, : tk - tq].unsqueeze(0), v[:, : tk - tq].unsqueeze(0), scale=scaling
+        )[:2]
+        out = _merge(seen.reshape(1, nh, tq, d), seen_lse.reshape(1, nh, tq), out, lse)
+    return out[0].transpose(0, 1).reshape(tq, -1)
 
 
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:

@@ -386,7 +386,7 @@ def remember_prompt(
         return
     key = prompt_key(ctx.fingerprint, token_ids)
     index = share_index(ctx)
-    if not ctx.store.contains(key):
+    if not ctx.store.held_by_all(key):
         k, v = cache.export(0, len(token_ids))
         bits = token_bits(ctx, config.simhash, token_ids)
         entry = KVEntry(

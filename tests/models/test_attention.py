@@ -72,3 +72,20 @@ def test_sliding_window_and_unsorted_positions_match_reference():
         atol=1e-5,
         rtol=1e-4,
     )
+
+
+@pytest.mark.parametrize("reused", [0, 37, 500])
+def test_suffix_queries_match_reference(reused):
+    """Queries that are the last keys (prefill after reused rows) take the unmasked + causal split."""
+    gen = torch.Generator().manual_seed(4)
+    num_queries = 3 * SPLIT_QUERY_ROWS
+    k_pos = torch.arange(reused + num_queries)
+    q_pos = k_pos[reused:]
+    q = torch.randn(6, num_queries, 16, generator=gen)
+    k, v = (
+        torch.randn(2, k_pos.shape[0], 16, generator=gen),
+        torch.randn(2, k_pos.shape[0], 16, generator=gen),
+    )
+    torch.testing.assert_close(
+        attention(q, k, v, q_pos, k_pos, 0.25), reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-4
+    )
