@@ -40,7 +40,7 @@ from semkv.bench.report import line_plot, markdown_table, median, write_results
 from semkv.config import StoreConfig
 from semkv.engine import Engine
 from semkv.prompt import build_layout
-from semkv.reuse.blend import BlendConfig
+from semkv.reuse.blend import SINK_MODES, BlendConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[
                 RowSpec(f"blend {ratio:.2f} check={layer}", "blend", ratio, BlendConfig(check_layer=layer))
             )
     rows.append(RowSpec(f"blend {ratio:.2f} gradual", "blend", ratio, BlendConfig(gradual=True)))
-    for sink in ("bos", "none"):
+    for sink in SINK_MODES:
         if sink != default.sink:
             cfg = BlendConfig(sink=sink)
             rows.append(RowSpec(f"full reuse (ratio 0) sink={sink}", "blend", 0.0, cfg, sink))
