@@ -111,6 +111,11 @@ QUERY_GROUP_ROWS = 128  # smallest query group worth its own kernel call
 QUERY_GROUPS = 8
 
 
+def _in_order(positions: Tensor) -> bool:
+    """Positions [T] never decrease."""
+    return not bool((positions[1:] < positions[:-1]).any())
+
+
 def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tuple[slice, slice]]:
     """Split queries into position-ordered groups, each with the only key range it can see.
 
@@ -123,7 +128,7 @@ def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tupl
     whole = [(slice(0, tq), slice(0, k_pos.shape[0]))]
     if tq < 2 * QUERY_GROUP_ROWS or k_pos.shape[0] < 2 * QUERY_GROUP_ROWS:
         return whole
-    if bool((q_pos[1:] < q_pos[:-1]).any()) or bool((k_pos[1:] < k_pos[:-1]).any()):
+    if not (_in_order(q_pos) and _in_order(k_pos)):
         return whole
     groups = min(QUERY_GROUPS, tq // QUERY_GROUP_ROWS)
     bounds = [round(i * tq / groups) for i in range(groups + 1)]
@@ -168,8 +173,8 @@ def _splittable(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, window: int 
         and window is None
         and q.shape[1] >= 2 * SPLIT_QUERY_ROWS
         and q.shape[0] % k.shape[0] == 0
-        and not bool((q_pos[1:] < q_pos[:-1]).any())
-        and not bool((k_pos[1:] < k_pos[:-1]).any())
+        and _in_order(q_pos)
+        and _in_order(k_pos)
     )
 
 
@@ -180,35 +185,44 @@ def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     log-sum-exp. The masked kernel costs ~2x the unmasked one per (query, key) pair on CPU, and
     this keeps masked pairs to ~1/groups of the work (selective recompute: ~1.3x faster).
 
-    Query heads are folded onto their KV head ([kvh, rep * n, d]) so each key block is read
-    once per KV head. q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d].
+    q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d].
     """
     nh, tq, d = q.shape
-    kvh = k.shape[0]
-    rep = nh // kvh
     groups = -(-tq // SPLIT_QUERY_ROWS)
     bounds = [round(i * tq / groups) for i in range(groups + 1)]
     firsts = q_pos[bounds[:-1]]
     lasts = q_pos[[b - 1 for b in bounds[1:]]]
     los = torch.searchsorted(k_pos, firsts).tolist()
     his = torch.searchsorted(k_pos, lasts, right=True).tolist()
-    k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
     out = q.new_empty(nh, tq, d)
     for a, b, lo, hi in zip(bounds[:-1], bounds[1:], los, his, strict=True):
-        n = b - a
-        folded = q[:, a:b].reshape(1, kvh, rep * n, d)
+        rows = q[:, a:b]
         visible = k_pos[lo:hi].unsqueeze(0) <= q_pos[a:b].unsqueeze(1)  # [n, hi - lo]
         bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        band, band_lse = _FLASH_CPU(
-            folded, k4[:, :, lo:hi], v4[:, :, lo:hi], attn_mask=bias.repeat(rep, 1), scale=scaling
-        )[:2]
+        band, band_lse = _folded_attention(rows, k[:, lo:hi], v[:, lo:hi], scaling, bias)
         if lo > 0:
             # A row that sees no key of the band comes back as output 0 with lse 0: give it lse -inf.
-            band_lse.masked_fill_(~visible.any(1).repeat(rep), float("-inf"))
-            seen, seen_lse = _FLASH_CPU(folded, k4[:, :, :lo], v4[:, :, :lo], scale=scaling)[:2]
+            band_lse.masked_fill_(~visible.any(1), float("-inf"))
+            seen, seen_lse = _folded_attention(rows, k[:, :lo], v[:, :lo], scaling)
             band = _merge(seen, seen_lse, band, band_lse)
-        out[:, a:b] = band.reshape(nh, n, d)
+        out[:, a:b] = band[0]
     return out.transpose(0, 1).reshape(tq, -1)
+
+
+def _folded_attention(
+    q: Tensor, k: Tensor, v: Tensor, scaling: float, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The CPU flash kernel with query heads folded onto their KV head ([1, kvh, rep * n, d]), so each
+    key block is read once per KV head. q: [nh, n, d]; k, v: [kvh, S, d]; bias: [n, S] additive mask
+    or None. Returns out [1, nh, n, d] and its log-sum-exp [1, nh, n]."""
+    nh, n, d = q.shape
+    kvh = k.shape[0]
+    rep = nh // kvh
+    mask = None if bias is None else bias.repeat(rep, 1)
+    out, lse = _FLASH_CPU(
+        q.reshape(1, kvh, rep * n, d), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling
+    )[:2]
+    return out.reshape(1, nh, n, d), lse.reshape(1, nh, n)
 
 
 def _is_suffix(q_pos: Tensor, k_pos: Tensor) -> bool:
@@ -219,7 +233,7 @@ def _is_suffix(q_pos: Tensor, k_pos: Tensor) -> bool:
 
 def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
     """Queries that are the last Tq of the keys: the earlier keys through the unmasked kernel
-    (query heads folded onto their KV head) and the square block through the causal one, merged
+    and the square block through the causal one, merged
     by log-sum-exp; no masked kernel at all. q: [nh, Tq, d]; k, v: [kvh, Tk, d] -> [Tq, nh * d]."""
     nh, tq, d = q.shape
     kvh, tk = k.shape[0], k.shape[1]
@@ -228,11 +242,8 @@ def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor
     own_v = v[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
     out, lse = _FLASH_CPU(q.unsqueeze(0), own_k, own_v, is_causal=True, scale=scaling)[:2]
     if tk > tq:
-        folded = q.reshape(1, kvh, rep * tq, d)
-        seen, seen_lse = _FLASH_CPU(
-            folded, k[:, : tk - tq].unsqueeze(0), v[:, : tk - tq].unsqueeze(0), scale=scaling
-        )[:2]
-        out = _merge(seen.reshape(1, nh, tq, d), seen_lse.reshape(1, nh, tq), out, lse)
+        seen, seen_lse = _folded_attention(q, k[:, : tk - tq], v[:, : tk - tq], scaling)
+        out = _merge(seen, seen_lse, out, lse)
     return out[0].transpose(0, 1).reshape(tq, -1)
 
 
