@@ -62,6 +62,15 @@ def small_entry(tokens: list[int], fp: str = FP, seed: int | None = None, layers
     return KVEntry(chunk_key(fp, tokens), EntryKind.CHUNK, fp, list(tokens), k, v)
 
 
+HAMMER_ROUNDS = 3  # rounds of the multi-process concurrency tests
+HAMMER_ENTRIES = 12  # entries every process writes per round
+
+
+def hammer_entries(round_: int) -> list[KVEntry]:
+    """The entries every process of a concurrency test writes in round ``round_`` (the same keys in all)."""
+    return [small_entry([round_, i, *range(64)]) for i in range(HAMMER_ENTRIES)]
+
+
 def same_kv(a: KVEntry, b: KVEntry) -> bool:
     return (
         a.key == b.key

@@ -21,30 +21,31 @@ import random
 import semkv.store.tiers as tiers_module
 from semkv.store.entry import decode
 from semkv.store.tiers import DiskTier
-from tests.reliability.reliability_helpers import run_processes, same_kv, small_entry
+from tests.reliability.reliability_helpers import (
+    HAMMER_ENTRIES,
+    HAMMER_ROUNDS,
+    hammer_entries,
+    run_processes,
+    same_kv,
+    small_entry,
+)
 
 CTX = mp.get_context("fork")
 PROCS = 4
-ROUNDS = 3
-ENTRIES = 12
-
-
-def round_entries(round_: int):
-    return [small_entry([round_, i, *range(64)]) for i in range(ENTRIES)]
 
 
 def _hammer(root, barrier, results, seed: int) -> None:
     rng = random.Random(seed)
     tier = DiskTier(root)
     reads = hits = 0
-    for round_ in range(ROUNDS):
-        entries = round_entries(round_)
-        order = list(range(ENTRIES))
+    for round_ in range(HAMMER_ROUNDS):
+        entries = hammer_entries(round_)
+        order = list(range(HAMMER_ENTRIES))
         rng.shuffle(order)
         barrier.wait()
         for i in order:
             assert tier.put(entries[i])
-            for j in rng.sample(range(ENTRIES), 3):  # read back racing the other writers
+            for j in rng.sample(range(HAMMER_ENTRIES), 3):  # read back racing the other writers
                 got = tier.get(entries[j].key)
                 reads += 1
                 if got is not None:
@@ -67,11 +68,13 @@ def test_processes_hammer_the_same_keys(tmp_path):
     run_processes([CTX.Process(target=_hammer, args=(root, barrier, results, seed)) for seed in range(PROCS)])
     counts = [results.get(timeout=5) for _ in range(PROCS)]
     reads, hits = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    print(f"\n[concurrency-disk] {PROCS} processes x {ROUNDS} rounds: {reads} reads, {hits} hits, all exact")
+    print(
+        f"\n[concurrency-disk] {PROCS} processes x {HAMMER_ROUNDS} rounds: {reads} reads, {hits} hits, all exact"
+    )
     final = DiskTier(root)
     assert not list(root.glob(f"*/{DiskTier.TMP_PREFIX}*")) and not (root / "quarantine").exists()
-    for round_ in range(ROUNDS):
-        for e in round_entries(round_):
+    for round_ in range(HAMMER_ROUNDS):
+        for e in hammer_entries(round_):
             assert same_kv(final.get(e.key), e)
 
 

@@ -20,16 +20,18 @@ from semkv.store import DiskTier, KVStore, MemoryTier
 from semkv.store.entry import decode
 from semkv.store.keys import EntryKind
 from semkv.store.redis_tier import RedisTier
-from tests.reliability.reliability_helpers import FP, run_processes, same_kv, small_entry
+from tests.reliability.reliability_helpers import (
+    FP,
+    HAMMER_ENTRIES,
+    HAMMER_ROUNDS,
+    hammer_entries,
+    run_processes,
+    same_kv,
+    small_entry,
+)
 
 CTX = mp.get_context("fork")
 PROCS = 4
-ROUNDS = 3
-ENTRIES = 12
-
-
-def round_entries(round_: int):
-    return [small_entry([round_, i, *range(64)]) for i in range(ENTRIES)]
 
 
 def open_store(root, url):
@@ -41,14 +43,14 @@ def _hammer(root, url, barrier, results, seed: int) -> None:
     rng = random.Random(seed)
     store, redis_tier = open_store(root, url)
     reads = hits = 0
-    for round_ in range(ROUNDS):
-        entries = round_entries(round_)
-        order = list(range(ENTRIES))
+    for round_ in range(HAMMER_ROUNDS):
+        entries = hammer_entries(round_)
+        order = list(range(HAMMER_ENTRIES))
         rng.shuffle(order)
         barrier.wait()
         for i in order:
             assert store.put(entries[i])
-            for j in rng.sample(range(ENTRIES), 3):
+            for j in rng.sample(range(HAMMER_ENTRIES), 3):
                 e = entries[j]
                 for got in (store.get(e.key, e.token_ids, EntryKind.CHUNK), redis_tier.get(e.key)):
                     reads += 1
@@ -79,13 +81,15 @@ def test_processes_share_one_redis_and_one_folder(tmp_path, redis_server):
     )
     counts = [results.get(timeout=5) for _ in range(PROCS)]
     reads, hits = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    print(f"\n[concurrency-redis] {PROCS} processes x {ROUNDS} rounds: {reads} reads, {hits} hits, all exact")
+    print(
+        f"\n[concurrency-redis] {PROCS} processes x {HAMMER_ROUNDS} rounds: {reads} reads, {hits} hits, all exact"
+    )
     tier = RedisTier(redis_server.url)
-    for round_ in range(ROUNDS):
-        for e in round_entries(round_):
+    for round_ in range(HAMMER_ROUNDS):
+        for e in hammer_entries(round_):
             raw = tier.client.get(tier.redis_key(e.key))
             assert same_kv(decode(raw), e)
-    assert len(list(tier.keys())) == ROUNDS * ENTRIES
+    assert len(list(tier.keys())) == HAMMER_ROUNDS * HAMMER_ENTRIES
     assert not list(root.glob(f"*/{DiskTier.TMP_PREFIX}*")) and not (root / "quarantine").exists()
 
 
