@@ -128,11 +128,9 @@ class RedisServer:
     simulate an outage and a recovery on the same port."""
 
     def __init__(self, workdir) -> None:
-        import socket
+        from semkv.server.process import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.workdir = workdir
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = None

@@ -21,9 +21,6 @@ import argparse
 import json
 import logging
 import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -37,6 +34,7 @@ import httpx
 from semkv.bench.data import essays, text_of_tokens
 from semkv.bench.report import median, write_results
 from semkv.config import default_home
+from semkv.server.process import ServeProcess
 
 log = logging.getLogger(__name__)
 
@@ -86,50 +84,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalServer:
-    """``semkv serve`` in a subprocess with a fresh home; stopped on exit."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
-        port = args.port or _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        models_dir = args.models_dir or str(default_home() / "models")
-        cmd = [sys.executable, "-m", "semkv.cli", "serve", "--model", args.model, "--home", str(self.home)]
-        cmd += ["--port", str(port), "--models-dir", models_dir, "--kv-dtype", args.kv_dtype]
-        cmd += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
-        if args.redis:
-            cmd += ["--redis", args.redis]
-        self.log_path = self.home / "serve.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"semkv serve exited: {self.log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"server not ready after {timeout} s")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
+def start_local_server(args: argparse.Namespace) -> ServeProcess:
+    """``semkv serve`` with the bench's model flags and a fresh home (its own disk store)."""
+    home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
+    models_dir = args.models_dir or str(default_home() / "models")
+    extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype]
+    extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
+    if args.redis:
+        extra += ["--redis", args.redis]
+    return ServeProcess(args.model, home, *extra, port=args.port)
 
 
 def _tokenizer(args: argparse.Namespace):
@@ -240,10 +203,10 @@ def run(args: argparse.Namespace) -> int:
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         raise ValueError("--clients, --requests and --max-tokens must be >= 1")
     docs, requests = build_workload(args)
-    server = None if args.url else LocalServer(args)
+    server = None if args.url else start_local_server(args)
     try:
         if server is not None:
-            server.wait_ready()
+            server.wait_ready(timeout=300.0)
         base = args.url or server.url  # type: ignore[union-attr]
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         warm = {"reuse": "none", "store_prompt": False, "chunks": ["A warm-up passage."], "max_tokens": 2}
@@ -265,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = httpx.get(f"{base}/metrics", timeout=30).text
     finally:
         if server is not None:
-            server.close()
+            server.stop()
 
     rows = [summarise("full", full, full_wall, None), summarise("reuse", reuse, reuse_wall, full)]
     ratios = {

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from semkv.server import ServerConfig, create_app
+from semkv.server.process import ServeProcess
 
 TINY = "tiny"
 
@@ -60,12 +53,6 @@ def client(tiny_app):
         yield c
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tiny_checkpoint(tmp_path, make_tiny_engine):
     """The tiny random llama of ``make_tiny_engine`` saved as a local HF checkpoint (with the SmolLM2
@@ -77,59 +64,19 @@ def tiny_checkpoint(tmp_path, make_tiny_engine):
     return folder
 
 
-class ServeProcess:
-    """``semkv serve`` in a subprocess on a free loopback port, with its own home (own disk store)."""
-
-    def __init__(self, model: str | Path, home: Path, *extra: str, name: str = TINY) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.home = home
-        self.log_path = home.parent / f"{home.name}-serve.log"
-        home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "semkv.cli", "serve", "--model", str(model), "--home", str(home)]
-        cmd += ["--port", str(self.port), "--served-model-name", name, "--threads", "1", *extra]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"semkv serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"semkv serve not ready after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 @pytest.fixture
 def serve_process():
     """serve_process(model, home, *args) -> a started ServeProcess (waited for by the caller); stopped after."""
     started: list[ServeProcess] = []
 
     def start(model, home, *extra, name=TINY) -> ServeProcess:
-        proc = ServeProcess(model, home, *extra, name=name)
+        log_path = home.parent / f"{home.name}-serve.log"
+        proc = ServeProcess(
+            model, home, "--served-model-name", name, "--threads", "1", *extra, log_path=log_path
+        )
         started.append(proc)
         return proc
 
     yield start
     for proc in started:
-        proc.stop()
+        proc.stop(timeout=15)

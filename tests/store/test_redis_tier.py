@@ -17,6 +17,7 @@ import redis
 import torch
 
 from semkv.config import StoreConfig
+from semkv.server.process import free_port
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, chunk_key
 from semkv.store.redis_tier import CircuitBreaker, RedisTier, redact
@@ -33,12 +34,6 @@ def make_entry(fingerprint: str = FP_A, tokens: int = 5, seed: int = 0) -> KVEnt
     k = torch.randn(2, 2, tokens, 8, generator=g).half()
     v = torch.randn(2, 2, tokens, 8, generator=g).half()
     return KVEntry(chunk_key(fingerprint, token_ids), EntryKind.CHUNK, fingerprint, token_ids, k, v)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_round_trip_and_listing(redis_server):
