@@ -118,7 +118,9 @@ class Engine:
 
     # -- layout & planning -------------------------------------------------------------------------
     def layout(self, request: GenerateRequest) -> PromptLayout:
-        layout = build_layout(self.tokenizer, request.prompt, request.messages, request.chunks)
+        layout = build_layout(
+            self.tokenizer, request.prompt, request.messages, request.chunks, request.use_chat_template
+        )
         total = len(layout) + request.max_new_tokens
         if len(layout) == 0:
             raise ValueError("prompt is empty after tokenization")

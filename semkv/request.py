@@ -23,11 +23,14 @@ class GenerateRequest:
     chunks: context texts laid out before the prompt (inside the user turn).
     reuse: "auto" picks the path that reuses most; "none" forces full prefill.
     temperature: 0 = greedy; top_p: nucleus sampling when temperature > 0; seed: sampling seed.
+    use_chat_template: None = wrap a prompt in the tokenizer's chat template when it has one;
+        False = the prompt is plain text (a completion); True = require the template.
     """
 
     prompt: str | None = None
     messages: Sequence[dict[str, str]] | None = None
     chunks: Sequence[str] = ()
+    use_chat_template: bool | None = None
     max_new_tokens: int = 64
     reuse: str = "auto"
     temperature: float = 0.0
@@ -85,6 +88,10 @@ class GenerateRequest:
             None if isinstance(self.sparse, SparsePolicy) else self.sparse,
             DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,
         )
+        if self.use_chat_template is not None and not isinstance(self.use_chat_template, bool):
+            raise ValueError(f"use_chat_template must be None, True or False, got {self.use_chat_template!r}")
+        if self.use_chat_template is False and self.messages is not None:
+            raise ValueError("messages need the chat template; give prompt= for plain text")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"unknown reuse mode {self.reuse!r}; choose one of {', '.join(REUSE_MODES)}")
         _check_number("temperature", self.temperature)

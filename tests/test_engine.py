@@ -68,6 +68,8 @@ def test_fp16_kv_reuse_is_bit_identical(make_tiny_engine):
         ({"prompt": "hi", "temperature": -1.0}, "temperature"),
         ({"prompt": None}, "exactly one"),
         ({"prompt": "word " * 3000}, "exceeds the model's context"),
+        ({"prompt": "hi", "use_chat_template": "no"}, "use_chat_template"),
+        ({"messages": [{"role": "user", "content": "hi"}], "use_chat_template": False}, "chat template"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_stores_nothing(make_tiny_engine, options, message):
@@ -76,6 +78,16 @@ def test_bad_input_is_a_clear_error_and_stores_nothing(make_tiny_engine, options
         engine.generate(**options)
     assert engine.store.stats.puts == 0
     assert list(engine.store.tier("disk").keys()) == []
+
+
+def test_plain_text_prompt_skips_the_chat_template(make_tiny_engine):
+    """use_chat_template=False lays the prompt out as plain text: fewer tokens, no template ids."""
+    engine = make_tiny_engine("llama")
+    chat = engine.generate(prompt="What is the pass key?", max_new_tokens=2)
+    plain = engine.generate(prompt="What is the pass key?", max_new_tokens=2, use_chat_template=False)
+    expected = engine.tokenizer("What is the pass key?", add_special_tokens=True)["input_ids"]
+    assert plain.stats["prompt_tokens"] == len(expected)
+    assert chat.stats["prompt_tokens"] > plain.stats["prompt_tokens"]
 
 
 def test_missing_and_unsupported_model_folders(tmp_path):

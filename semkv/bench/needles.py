@@ -4,6 +4,14 @@ Each case is seeded: the essay the haystack starts from, the needle's depth and 
 answer come from ``random.Random(seed)``. The prompt keeps the usual passkey preamble
 (DESIGN.md: SmolLM2 solves far more cases with it) and ends with the answer's lead-in
 so the answer is the first few generated tokens.
+
+Calibrated so that dense SmolLM2-135M solves the task at 8K tokens (passkey cases at
+8K, depths 0.12-0.88, dense greedy decoding): with the chat template (question in the
+user turn) it solved 0 of the 3 cases tried — the instruct model answers with a
+definition of "pass key"; with the needle as its own paragraph and the lead-in opening
+the assistant turn, 2/6; as plain text with the needle inside a paragraph, 2/6; as
+plain text with the needle as its own paragraph, 5/6. So the needle is its own
+paragraph and the prompt is plain text, without the chat template (:func:`prompt_ids`).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import random
 from dataclasses import dataclass
 
 from semkv.bench.data import essays, haystack
+from semkv.prompt import build_layout
 
 TASKS = ("passkey", "multifact")
 
@@ -44,11 +53,12 @@ class NeedleCase:
 
 
 def _insert(text: str, sentence: str, depth: float) -> str:
-    """Insert ``sentence`` at the sentence boundary nearest ``depth`` (fraction of characters)."""
+    """Insert ``sentence`` as its own paragraph at the sentence boundary nearest ``depth``
+    (fraction of characters)."""
     at = int(len(text) * depth)
     cut = text.rfind(". ", 0, at)
     cut = cut + 2 if cut >= 0 else 0
-    return text[:cut] + sentence + " " + text[cut:]
+    return text[:cut].rstrip() + "\n\n" + sentence + "\n\n" + text[cut:].lstrip()
 
 
 def make_case(tokenizer, task: str, length: int, seed: int, depth: float) -> NeedleCase:
@@ -71,7 +81,12 @@ def make_case(tokenizer, task: str, length: int, seed: int, depth: float) -> Nee
         for colour, code, where in sorted(zip(colours, codes, depths, strict=True), key=lambda x: -x[2]):
             body = _insert(body, f"The secret code of the {colour} door is {code}.", where)
         answer, needle = codes[asked], f"The secret code of the {colours[asked]} door is {codes[asked]}."
-        prompt = FACT_PREAMBLE + body + f"\n\nWhat is the secret code of the {colours[asked]} door? It is"
+        prompt = (
+            FACT_PREAMBLE
+            + body
+            + f"\n\nWhat is the secret code of the {colours[asked]} door? "
+            + f"The secret code of the {colours[asked]} door is"
+        )
     return NeedleCase(task, length, seed, depth, prompt, answer, needle)
 
 
@@ -82,6 +97,11 @@ def make_cases(tokenizer, length: int, count: int, seed: int = 0) -> list[Needle
         depth = 0.05 + 0.9 * ((i * 7) % count + 0.5) / count  # spread, not in index order
         cases.append(make_case(tokenizer, TASKS[i % len(TASKS)], length, seed * 100003 + length + i, depth))
     return cases
+
+
+def prompt_ids(tokenizer, case: NeedleCase) -> list[int]:
+    """The case's prompt as plain text (no chat template: see the module docstring)."""
+    return build_layout(tokenizer, case.prompt, None, [], use_chat_template=False).token_ids
 
 
 def find_subsequence(haystack_ids: list[int], needle_ids: list[int]) -> list[int]:

@@ -28,9 +28,8 @@ import torch
 from tqdm import tqdm
 
 from semkv.bench.metrics import exact_match
-from semkv.bench.needles import NeedleCase, answer_rows, make_cases
+from semkv.bench.needles import TASKS, NeedleCase, answer_rows, make_cases, prompt_ids
 from semkv.bench.report import line_plot, median, write_results
-from semkv.prompt import build_layout
 from semkv.sparse import (
     SparseConfig,
     SparseDecoder,
@@ -64,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ablation-budget", type=float, default=0.1, help="budget of the Key-Key ablation")
     p.add_argument("--no-ablation", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--heatmaps", type=int, default=1000, help="at most this many heat maps per length")
     p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
     p.add_argument("--seed", type=int, default=0)
@@ -210,7 +209,7 @@ def heatmap(path: Path, run: Run, oracle: list, needle_blocks: set[int], title: 
 
 def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> tuple[list[Run], dict]:
     runtime, tokenizer, bs = engine.runtime, engine.tokenizer, engine.config.block_size
-    ids = build_layout(tokenizer, case.prompt, None, []).token_ids
+    ids = prompt_ids(tokenizer, case)
     steps = args.max_new_tokens - 1
     base = runtime.new_cache(len(ids) + args.max_new_tokens + 1)
     start = time.perf_counter()
@@ -272,6 +271,14 @@ def _ms(run: Run) -> float:
     return 1000 * median(timed)
 
 
+def _task_accuracy(items: list[tuple[NeedleCase, Run, Run]], task: str) -> str:
+    """'policy solved/cases (dense N)' on the cases of one task."""
+    cases = [(c, r, d) for c, r, d in items if c.task == task]
+    mine = sum(exact_match(r.text, c.answer) for c, r, _ in cases)
+    dense = sum(exact_match(d.text, c.answer) for c, _, d in cases)
+    return f"{mine}/{len(cases)} (dense {dense})"
+
+
 def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[str, Any]]:
     """One row per (length, policy, budget): figures against dense on the same cases."""
     groups: dict[tuple, list[tuple[NeedleCase, Run, Run]]] = {}
@@ -295,6 +302,7 @@ def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[st
             "cases": len(items),
             "accuracy": 100 * statistics.fmean(correct),
             "dense_accuracy": 100 * statistics.fmean(dense_ok),
+            **{f"{task}_accuracy": _task_accuracy(items, task) for task in TASKS},
             "on_dense_solved": f"{sum(solved)}/{len(solved)}",
             "agree_dense": 100 * statistics.fmean(r.tokens == d.tokens for _, r, d in items),
             "ms_per_token": median([_ms(r) for _, r, _ in items]),
@@ -327,6 +335,8 @@ COLUMNS = [
     "cases",
     "accuracy",
     "dense_accuracy",
+    "passkey_accuracy",
+    "multifact_accuracy",
     "on_dense_solved",
     "agree_dense",
     "oracle_overlap",
@@ -368,7 +378,7 @@ def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> lis
     """Decode dense and every policy in turn, one step each, rotating the order every step, so a
     machine whose load changes by the second slows all of them alike. Ratios are per step pair."""
     runtime, bs = engine.runtime, engine.config.block_size
-    ids = build_layout(engine.tokenizer, case.prompt, None, []).token_ids
+    ids = prompt_ids(engine.tokenizer, case)
     base = runtime.new_cache(len(ids) + args.speed_steps + 2)
     with capture_prefill_queries(runtime, base) as captured:
         first = int(runtime.prefill(base, ids).argmax())
@@ -467,6 +477,7 @@ def vars_config(args: argparse.Namespace) -> dict[str, Any]:
 
 NOTES = """
 Columns: accuracy = answer found in the generated text; dense_accuracy = dense on the same cases;
+passkey_accuracy / multifact_accuracy = solved / cases of that task (and dense's count on them);
 on_dense_solved = cases dense solves that the policy also solves; agree_dense = identical tokens;
 oracle_overlap = |selected ∩ true-attention top-k| / k per layer and step (middle blocks only);
 oracle_overlap_avg = the same against the top-k of attention averaged over layers and heads (the

@@ -14,7 +14,7 @@ NEW_TOKENS = 12
 def run(engine) -> dict:
     case = make_case(engine.tokenizer, "passkey", CONTEXT_TOKENS, seed=2048, depth=0.2)
     print(f"a {CONTEXT_TOKENS}-token haystack of essays hides a pass key ({case.answer}) at 20% depth")
-    options = dict(prompt=case.prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+    options = dict(prompt=case.prompt, max_new_tokens=NEW_TOKENS, stop_at_eos=False, use_chat_template=False)
     dense = engine.generate(**options)  # stores the prompt's blocks: the next requests reuse the prefix
     print(f"  prompt {dense.stats['prompt_tokens']} tokens, prefilled in {dense.stats['ttft_s']:.1f} s")
     rows = [("dense", dense)]

@@ -37,9 +37,8 @@ class BlockIndex:
         self.cache = cache
         self.block_size = block_size
         self.num_complete = 0
-        self._means: Tensor | None = None
-        self._mins: Tensor | None = None
-        self._maxs: Tensor | None = None
+        self._summaries: dict[str, Tensor] = {}  # name -> [L, kvh, max blocks, d], filled up to _have
+        self._have: dict[str, int] = {}
         self._variance: Tensor | None = None
 
     def update(self, complete_blocks: int) -> None:
@@ -54,27 +53,37 @@ class BlockIndex:
         shape = stacked.shape
         return stacked.view(shape[0], shape[1], -1, bs, shape[-1])
 
-    @staticmethod
-    def _extend(old: Tensor | None, new: Tensor) -> Tensor:
-        return new if old is None else torch.cat([old, new], dim=2)
+    def _fill(self, name: str, new: Tensor, start_block: int) -> None:
+        """Write blocks [start_block, start_block + n) of summary ``name`` into its buffer, allocated
+        once for the cache's capacity (appending by concatenation would copy every block each time)."""
+        buffer = self._summaries.get(name)
+        if buffer is None:
+            max_blocks = self.cache.capacity // self.block_size + 1
+            buffer = torch.zeros(*new.shape[:2], max_blocks, new.shape[-1], dtype=new.dtype)
+            self._summaries[name] = buffer
+        buffer[:, :, start_block : start_block + new.shape[2]] = new
+        self._have[name] = start_block + new.shape[2]
+
+    def _missing(self, name: str) -> int:
+        """First block of summary ``name`` not yet computed."""
+        return self._have.get(name, 0)
 
     def key_means(self) -> Tensor:
         """[L, kvh, nb, d] mean pre-RoPE key per complete block."""
-        have = 0 if self._means is None else self._means.shape[2]
-        if have < self.num_complete:
-            self._means = self._extend(self._means, self._rows(self.cache.k_pre, have).mean(dim=3))
-        assert self._means is not None
-        return self._means[:, :, : self.num_complete]
+        have = self._missing("means")
+        if have < self.num_complete or "means" not in self._summaries:
+            self._fill("means", self._rows(self.cache.k_pre, have).mean(dim=3), have)
+        return self._summaries["means"][:, :, : self.num_complete]
 
     def key_bounds(self) -> tuple[Tensor, Tensor]:
         """([L, kvh, nb, d] min, [L, kvh, nb, d] max) of rotated keys per complete block."""
-        have = 0 if self._mins is None else self._mins.shape[2]
-        if have < self.num_complete:
+        have = self._missing("mins")
+        if have < self.num_complete or "mins" not in self._summaries:
             rows = self._rows(self.cache.k_rot, have)
-            self._mins = self._extend(self._mins, rows.amin(dim=3))
-            self._maxs = self._extend(self._maxs, rows.amax(dim=3))
-        assert self._mins is not None and self._maxs is not None
-        return self._mins[:, :, : self.num_complete], self._maxs[:, :, : self.num_complete]
+            self._fill("mins", rows.amin(dim=3), have)
+            self._fill("maxs", rows.amax(dim=3), have)
+        n = self.num_complete
+        return self._summaries["mins"][:, :, :n], self._summaries["maxs"][:, :, :n]
 
     def head_variance(self) -> Tensor:
         """[L, kvh] variance of each KV head's pre-RoPE keys over the complete blocks at first call."""

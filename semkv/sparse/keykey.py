@@ -98,6 +98,45 @@ def group_mean(vectors: Tensor, group: int) -> Tensor:
     return sums / sizes.unsqueeze(-1)
 
 
+def level_summaries(pages: Tensor, pages_per_chunk: int, chunks_per_grid: int) -> Tensor:
+    """Unit-norm grid, chunk and page summaries stacked ``[..., G + C + P, d]`` (grids first).
+
+    pages: [..., P, d]. A chunk is the mean of its pages, a grid the mean of its chunks. Built
+    once per new block (summaries never change), so a step costs one matrix product.
+    """
+    chunks = group_mean(pages, pages_per_chunk)
+    grids = group_mean(chunks, chunks_per_grid)
+    return F.normalize(torch.cat([grids, chunks, pages], dim=-2), dim=-1)
+
+
+def masked_page_scores(
+    affinity: Tensor,
+    num_pages: int,
+    pages_per_chunk: int,
+    chunks_per_grid: int,
+    keep_grids: int,
+    keep_chunks: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split stacked affinities [..., G + C + P] into levels and mask children of unkept parents.
+
+    Returns (page affinity [..., P] with -inf on masked pages, chunk kept [..., C], grid kept [..., G]).
+    """
+    num_c, num_g = level_sizes(num_pages, pages_per_chunk, chunks_per_grid)
+    grid_aff, chunk_aff, page_aff = affinity.split([num_g, num_c, num_pages], dim=-1)
+    grid_keep = _top_mask(grid_aff, keep_grids)
+    chunk_parent = torch.arange(num_c) // chunks_per_grid
+    chunk_aff = chunk_aff.masked_fill(~grid_keep[..., chunk_parent], -math.inf)
+    chunk_keep = _top_mask(chunk_aff, keep_chunks)
+    page_parent = torch.arange(num_pages) // pages_per_chunk
+    page_aff = page_aff.masked_fill(~chunk_keep[..., page_parent], -math.inf)
+    return page_aff, chunk_keep, grid_keep
+
+
+def affinity(stacked: Tensor, anchor: Tensor) -> Tensor:
+    """``(cos + 1) / 2`` of unit-norm summaries [..., n, d] against an anchor [..., d] -> [..., n]."""
+    return (stacked @ F.normalize(anchor, dim=-1).unsqueeze(-1)).squeeze(-1).add(1.0).mul(0.5)
+
+
 def hierarchical_scores(
     pages: Tensor,
     anchor: Tensor,
@@ -112,19 +151,10 @@ def hierarchical_scores(
     anchor: [..., d]. Returns (page affinity [..., P] with -inf on masked pages,
     chunk kept mask [..., C], grid kept mask [..., G]). Affinity = (cos + 1) / 2.
     """
-    chunks = group_mean(pages, pages_per_chunk)
-    grids = group_mean(chunks, chunks_per_grid)
-    num_p, num_c, num_g = pages.shape[-2], chunks.shape[-2], grids.shape[-2]
-    stacked = F.normalize(torch.cat([grids, chunks, pages], dim=-2), dim=-1)
-    affinity = (stacked @ F.normalize(anchor, dim=-1).unsqueeze(-1)).squeeze(-1).add(1.0).mul(0.5)
-    grid_aff, chunk_aff, page_aff = affinity.split([num_g, num_c, num_p], dim=-1)
-    grid_keep = _top_mask(grid_aff, keep_grids)
-    chunk_parent = torch.arange(num_c) // chunks_per_grid
-    chunk_aff = chunk_aff.masked_fill(~grid_keep[..., chunk_parent], -math.inf)
-    chunk_keep = _top_mask(chunk_aff, keep_chunks)
-    page_parent = torch.arange(num_p) // pages_per_chunk
-    page_aff = page_aff.masked_fill(~chunk_keep[..., page_parent], -math.inf)
-    return page_aff, chunk_keep, grid_keep
+    stacked = level_summaries(pages, pages_per_chunk, chunks_per_grid)
+    return masked_page_scores(
+        affinity(stacked, anchor), pages.shape[-2], pages_per_chunk, chunks_per_grid, keep_grids, keep_chunks
+    )
 
 
 def _top_mask(scores: Tensor, k: int) -> Tensor:
@@ -165,6 +195,7 @@ class KeyKeyPolicy(SparsePolicy):
     _step_cache: tuple[int, Tensor, Tensor] | None = field(default=None, repr=False)
     _weights: Tensor | None = field(default=None, repr=False)
     _pooled: Tensor | None = field(default=None, repr=False)
+    _levels: tuple[tuple[int, int, int], Tensor, Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.head_pool not in HEAD_POOLS:
@@ -193,6 +224,7 @@ class KeyKeyPolicy(SparsePolicy):
         """Summaries of the prompt's blocks, built once (a block's summary never changes)."""
         self._weights = None
         self._pooled = None
+        self._levels = None
         self._step_cache = None
         self._pooled_pages(view)
 
@@ -228,16 +260,21 @@ class KeyKeyPolicy(SparsePolicy):
             end, start = cache.length, max(0, cache.length - 1)
         return torch.stack([k[:, start:end] for k in cache.k_pre]).float().mean(dim=2, keepdim=True)
 
-    def affinities(self, view: StepView) -> tuple[Tensor, Tensor]:
-        """(page summaries [.., P, d], anchor [.., d]) over ``view.candidates``, centred if asked."""
-        pooled = self._pooled_pages(view)
-        pages = pooled[..., view.candidate_span(), :]
-        anchor = self._pool(self._anchor_means(view), self._head_weights(view)).squeeze(-2)
-        if self.center:
-            centre = pooled.mean(dim=-2)
-            pages = pages - centre.unsqueeze(-2)
-            anchor = anchor - centre
-        return pages, anchor
+    def _anchor(self, view: StepView) -> Tensor:
+        """[.., d] pooled anchor (not normalised)."""
+        return self._pool(self._anchor_means(view), self._head_weights(view)).squeeze(-2)
+
+    def _level_summaries(self, view: StepView) -> tuple[Tensor, Tensor]:
+        """(unit-norm stacked grid/chunk/page summaries [.., G + C + P, d], centre [.., d]), rebuilt
+        only when the candidate span or the number of summarised blocks changes."""
+        span = view.candidate_span()
+        key = (span.start, span.stop, view.index.num_complete)
+        if self._levels is None or self._levels[0] != key:
+            pooled = self._pooled_pages(view)
+            centre = pooled.mean(dim=-2) if self.center else torch.zeros_like(pooled[..., 0, :])
+            pages = pooled[..., span, :] - centre.unsqueeze(-2)
+            self._levels = (key, level_summaries(pages, self.pages_per_chunk, self.chunks_per_grid), centre)
+        return self._levels[1], self._levels[2]
 
     def _keep_counts(self, view: StepView, num_pages: int) -> tuple[int, int]:
         chunks, grids = level_sizes(num_pages, self.pages_per_chunk, self.chunks_per_grid)
@@ -253,13 +290,14 @@ class KeyKeyPolicy(SparsePolicy):
         """(page affinity [.., P] masked by the hierarchy, raw page affinity [.., P]) — once per step."""
         if self._step_cache is not None and self._step_cache[0] == view.step:
             return self._step_cache[1], self._step_cache[2]
-        pages, anchor = self.affinities(view)
-        keep_g, keep_c = self._keep_counts(view, pages.shape[-2])
-        masked, _, _ = hierarchical_scores(
-            pages, anchor, self.pages_per_chunk, self.chunks_per_grid, keep_g, keep_c
+        stacked, centre = self._level_summaries(view)
+        num_pages = view.candidates.numel()
+        scores = affinity(stacked, self._anchor(view) - centre)
+        keep_g, keep_c = self._keep_counts(view, num_pages)
+        masked, _, _ = masked_page_scores(
+            scores, num_pages, self.pages_per_chunk, self.chunks_per_grid, keep_g, keep_c
         )
-        raw = (F.normalize(pages, dim=-1) @ F.normalize(anchor, dim=-1).unsqueeze(-1)).squeeze(-1)
-        raw = raw.add(1.0).mul(0.5)
+        raw = scores[..., -num_pages:]
         if self.stability is not None:
             flat = raw if raw.dim() == 1 else raw.mean(dim=0)
             full = torch.zeros(view.index.num_complete)
