@@ -37,8 +37,8 @@ class BlockIndex:
         self.cache = cache
         self.block_size = block_size
         self.num_complete = 0
-        self._summaries: dict[str, Tensor] = {}  # name -> [L, kvh, max blocks, d], filled up to _have
-        self._have: dict[str, int] = {}
+        self._summaries: dict[str, Tensor] = {}  # name -> [L, kvh, max blocks, d] (see _buffer)
+        self._have: dict[str, int] = {}  # summary -> blocks computed so far
         self._variance: Tensor | None = None
 
     def update(self, complete_blocks: int) -> None:
@@ -53,37 +53,39 @@ class BlockIndex:
         shape = stacked.shape
         return stacked.view(shape[0], shape[1], -1, bs, shape[-1])
 
-    def _fill(self, name: str, new: Tensor, start_block: int) -> None:
-        """Write blocks [start_block, start_block + n) of summary ``name`` into its buffer, allocated
-        once for the cache's capacity (appending by concatenation would copy every block each time)."""
-        buffer = self._summaries.get(name)
-        if buffer is None:
-            max_blocks = self.cache.capacity // self.block_size + 1
-            buffer = torch.zeros(*new.shape[:2], max_blocks, new.shape[-1], dtype=new.dtype)
+    def _buffer(self, name: str, blocks: int) -> Tensor:
+        """[L, kvh, >= blocks, d] float32 buffer of summary ``name``. Sized for the cache's capacity and
+        grown by doubling if the cache grows (appending by concatenation would copy every block each
+        time one completes)."""
+        old = self._summaries.get(name)
+        if old is None or old.shape[2] < blocks:
+            c = self.cache
+            size = max(blocks, c.capacity // self.block_size + 1, 2 * old.shape[2] if old is not None else 0)
+            buffer = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
+            if old is not None:
+                buffer[:, :, : old.shape[2]] = old
             self._summaries[name] = buffer
-        buffer[:, :, start_block : start_block + new.shape[2]] = new
-        self._have[name] = start_block + new.shape[2]
-
-    def _missing(self, name: str) -> int:
-        """First block of summary ``name`` not yet computed."""
-        return self._have.get(name, 0)
+        return self._summaries[name]
 
     def key_means(self) -> Tensor:
         """[L, kvh, nb, d] mean pre-RoPE key per complete block."""
-        have = self._missing("means")
-        if have < self.num_complete or "means" not in self._summaries:
-            self._fill("means", self._rows(self.cache.k_pre, have).mean(dim=3), have)
-        return self._summaries["means"][:, :, : self.num_complete]
+        have, n = self._have.get("means", 0), self.num_complete
+        means = self._buffer("means", n)
+        if have < n:
+            means[:, :, have:n] = self._rows(self.cache.k_pre, have).mean(dim=3)
+            self._have["means"] = n
+        return means[:, :, :n]
 
     def key_bounds(self) -> tuple[Tensor, Tensor]:
         """([L, kvh, nb, d] min, [L, kvh, nb, d] max) of rotated keys per complete block."""
-        have = self._missing("mins")
-        if have < self.num_complete or "mins" not in self._summaries:
+        have, n = self._have.get("bounds", 0), self.num_complete
+        mins, maxs = self._buffer("mins", n), self._buffer("maxs", n)
+        if have < n:
             rows = self._rows(self.cache.k_rot, have)
-            self._fill("mins", rows.amin(dim=3), have)
-            self._fill("maxs", rows.amax(dim=3), have)
-        n = self.num_complete
-        return self._summaries["mins"][:, :, :n], self._summaries["maxs"][:, :, :n]
+            mins[:, :, have:n] = rows.amin(dim=3)
+            maxs[:, :, have:n] = rows.amax(dim=3)
+            self._have["bounds"] = n
+        return mins[:, :, :n], maxs[:, :, :n]
 
     def head_variance(self) -> Tensor:
         """[L, kvh] variance of each KV head's pre-RoPE keys over the complete blocks at first call."""

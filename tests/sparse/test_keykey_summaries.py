@@ -60,3 +60,29 @@ def test_cached_summaries_match_a_rebuild_every_step(tokenizer, center):
     for cached, reference in policy.pairs:
         assert torch.equal(torch.isfinite(cached), torch.isfinite(reference))
         torch.testing.assert_close(cached[torch.isfinite(cached)], reference[torch.isfinite(reference)])
+
+
+def test_block_summaries_follow_a_cache_that_grows(tokenizer):
+    """Injected: a cache created small that grows (reserve by doubling) after summaries were taken.
+    Must happen: the summaries of every block, old and new, equal a direct computation from the cache."""
+    from semkv.sparse.index import BlockIndex
+
+    model = tiny_hf_model("llama", len(tokenizer))
+    runtime = Runtime(adapter_for("llama")(model), torch.float32)
+    ids = torch.randint(0, len(tokenizer), (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = runtime.new_cache(24)
+    runtime.prefill(cache, ids[:24])
+    index = BlockIndex(cache, BLOCK)
+    index.update(24 // BLOCK)
+    index.key_means(), index.key_bounds()
+    runtime.prefill(cache, ids[24:])
+    assert cache.capacity >= 200
+    index.update(200 // BLOCK)
+    keys = torch.stack([k[:, :200] for k in cache.k_pre]).float()  # [L, kvh, 200, d]
+    blocks = keys.view(*keys.shape[:2], 200 // BLOCK, BLOCK, keys.shape[-1])
+    torch.testing.assert_close(index.key_means(), blocks.mean(dim=3))
+    rotated = torch.stack([k[:, :200] for k in cache.k_rot]).float()
+    rotated = rotated.view(*blocks.shape)
+    mins, maxs = index.key_bounds()
+    torch.testing.assert_close(mins, rotated.amin(dim=3))
+    torch.testing.assert_close(maxs, rotated.amax(dim=3))
