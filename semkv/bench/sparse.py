@@ -271,12 +271,11 @@ def _ms(run: Run) -> float:
     return 1000 * median(timed)
 
 
-def _task_accuracy(items: list[tuple[NeedleCase, Run, Run]], task: str) -> str:
-    """'policy solved/cases (dense N)' on the cases of one task."""
-    cases = [(c, r, d) for c, r, d in items if c.task == task]
-    mine = sum(exact_match(r.text, c.answer) for c, r, _ in cases)
-    dense = sum(exact_match(d.text, c.answer) for c, _, d in cases)
-    return f"{mine}/{len(cases)} (dense {dense})"
+def _task_accuracy(tasks: list[str], correct: list[bool], dense_ok: list[bool], task: str) -> str:
+    """'policy solved/cases (dense N)' on the cases of one task (per-case flags, same order)."""
+    mine = [ok for t, ok in zip(tasks, correct, strict=True) if t == task]
+    dense = [ok for t, ok in zip(tasks, dense_ok, strict=True) if t == task]
+    return f"{sum(mine)}/{len(mine)} (dense {sum(dense)})"
 
 
 def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[str, Any]]:
@@ -292,6 +291,7 @@ def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[st
     ):
         correct = [exact_match(r.text, c.answer) for c, r, _ in items]
         dense_ok = [exact_match(d.text, c.answer) for c, _, d in items]
+        tasks = [c.task for c, _, _ in items]
         solved = [ok for ok, dok in zip(correct, dense_ok, strict=True) if dok]
         ratios = [_ms(d) / _ms(r) for _, r, d in items]
         stats = [r.stats for _, r, _ in items]
@@ -302,7 +302,7 @@ def summarise(results: list[tuple[NeedleCase, list[Run], dict]]) -> list[dict[st
             "cases": len(items),
             "accuracy": 100 * statistics.fmean(correct),
             "dense_accuracy": 100 * statistics.fmean(dense_ok),
-            **{f"{task}_accuracy": _task_accuracy(items, task) for task in TASKS},
+            **{f"{task}_accuracy": _task_accuracy(tasks, correct, dense_ok, task) for task in TASKS},
             "on_dense_solved": f"{sum(solved)}/{len(solved)}",
             "agree_dense": 100 * statistics.fmean(r.tokens == d.tokens for _, r, d in items),
             "ms_per_token": median([_ms(r) for _, r, _ in items]),
