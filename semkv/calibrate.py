@@ -43,7 +43,7 @@ from typing import Any
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from semkv.bench.metrics import logit_kl, top1_agree
+from semkv.evaluation.metrics import logit_kl, top1_agree
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _sentences(text: str) -> list[str]:
 
 def blend_cases(tokenizer, config: CalibrationConfig) -> list[tuple[list[str], str]]:
     """(chunks, question) per case: ``context_tokens`` of essay text cut into ``chunks`` pieces."""
-    from semkv.bench.data import haystack
+    from semkv.evaluation.essays import haystack
 
     question = "Which idea in the passages above matters most to their authors? Answer in one sentence."
     return [
@@ -269,7 +269,7 @@ def blend_cases(tokenizer, config: CalibrationConfig) -> list[tuple[list[str], s
 
 def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
     """(reference prompt, target prompt): another instruction, ``edit_share`` of sentences replaced."""
-    from semkv.bench.data import essays, haystack
+    from semkv.evaluation.essays import essays, haystack
 
     rng = random.Random(config.seed)
     fillers = _sentences(essays()[sorted(essays())[-1]])
@@ -286,7 +286,7 @@ def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
 
 
 def sparse_cases(tokenizer, config: CalibrationConfig) -> list[str]:
-    from semkv.bench.data import haystack
+    from semkv.evaluation.essays import haystack
 
     question = "\n\nWhat is the main argument of the text above? Answer briefly."
     return [

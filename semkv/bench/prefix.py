@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from semkv.bench.data import haystack
 from semkv.bench.report import median, write_results
+from semkv.evaluation.essays import haystack
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, chunk_key
 from semkv.store.tiers import DiskTier

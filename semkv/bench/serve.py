@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 
-from semkv.bench.data import essays, text_of_tokens
 from semkv.bench.report import median, write_results
 from semkv.config import default_home
+from semkv.evaluation.essays import essays, text_of_tokens
 from semkv.server.process import ServeProcess
 
 log = logging.getLogger(__name__)

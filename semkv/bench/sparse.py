@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from semkv.bench.metrics import exact_match
-from semkv.bench.needles import TASKS, NeedleCase, answer_rows, make_cases, prompt_ids
 from semkv.bench.report import line_plot, median, write_results
+from semkv.evaluation.metrics import exact_match
+from semkv.evaluation.needles import TASKS, NeedleCase, answer_rows, make_cases, prompt_ids
 from semkv.sparse import (
     SparseConfig,
     SparseDecoder,

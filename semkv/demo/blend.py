@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from semkv.bench.blend import build_pool, messages_for
-from semkv.bench.metrics import exact_match
+from semkv.evaluation.documents import build_pool, messages_for
+from semkv.evaluation.metrics import exact_match
 from semkv.request import GenerateRequest
 
 TITLE = "CacheBlend: reuse cached documents at any position, recompute ~15% of their tokens"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from semkv.bench.data import essay_text, text_of_tokens
+from semkv.evaluation.essays import essay_text, text_of_tokens
 
 TITLE = "exact prefix reuse on a Paul Graham essay"
 QUESTIONS = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from semkv.bench.metrics import logit_kl, rouge_l
+from semkv.evaluation.metrics import logit_kl, rouge_l
 
 TITLE = "semantic sharing: a paraphrased request reuses an earlier prompt's KV (SemShareKV)"
 
@@ -11,7 +11,7 @@ PARAPHRASE = "Please write a short summary of this paper: what problem it tackle
 
 
 def _paper() -> str:
-    from semkv.bench.share import load_papers
+    from semkv.evaluation.papers import load_papers
 
     papers = load_papers("test")
     return " ".join(papers[0]["sentences"])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from semkv.bench.metrics import exact_match
-from semkv.bench.needles import make_case
+from semkv.evaluation.metrics import exact_match
+from semkv.evaluation.needles import make_case
 
 TITLE = "sparse decode: each step attends to 10% of the KV blocks (Key-Key affinity, hybrid)"
 

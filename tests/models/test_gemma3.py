@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semkv.bench.data import haystack
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
+from semkv.evaluation.essays import haystack
 from semkv.models import Runtime, adapter_for
 from semkv.models.gemma3 import Gemma3Adapter
 from semkv.request import GenerateRequest

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semkv.bench.metrics import logit_kl
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
+from semkv.evaluation.metrics import logit_kl
 from semkv.request import GenerateRequest
 from semkv.reuse.blend import BlendConfig
 from semkv.store.keys import EntryKind, chunk_key

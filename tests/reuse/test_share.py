@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from semkv.bench.data import haystack
+from semkv.evaluation.essays import haystack
 from semkv.models.adapters import apply_rope
 from semkv.request import GenerateRequest
 from semkv.reuse import REUSE_PATHS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from semkv.bench.needles import TASK_CYCLE, answer_rows, make_case, make_cases, prompt_ids
+from semkv.evaluation.needles import TASK_CYCLE, answer_rows, make_case, make_cases, prompt_ids
 
 
 @pytest.mark.parametrize("task", ["passkey", "multifact"])

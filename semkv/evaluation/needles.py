@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from semkv.bench.data import essays, haystack
+from semkv.evaluation.essays import essays, haystack
 from semkv.prompt import build_layout
 
 TASKS = ("passkey", "multifact")

@@ -1,0 +1,7 @@
+"""``python -m semkv ...`` is the ``semkv`` command."""
+
+import sys
+
+from semkv.cli import main
+
+sys.exit(main())
