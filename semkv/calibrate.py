@@ -20,15 +20,16 @@ few cases the first token alone is too coarse a gate (4 cases: 0, 25, 50, 75 or 
 
 and writes a **profile** ``<home>/profiles/<fingerprint>.json``: for each knob the
 smallest value whose top-1 agreement reaches ``target`` (and the measurements). The
-engine loads the profile of its fingerprint at start (:func:`apply_profile` fills
-``engine.ctx.settings``) and :func:`check_request` logs a warning when a request asks
-for less than the profile.
+engine loads the profile of its fingerprint at start (``semkv.profile``: its values become
+``engine.defaults``) and warns when a request asks for less than the profile.
+
+Every measurement drives the engine through its public steps (``prefill``, ``decode_step``,
+``fork``), so it measures exactly what a user's request runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import random
@@ -43,14 +44,15 @@ from typing import Any
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from semkv.engine import Engine
+from semkv.evaluation.essays import essays, haystack
 from semkv.evaluation.metrics import logit_kl, top1_agree
+from semkv.profile import PROFILE_VERSION, EngineDefaults, share_config_at, write_profile
+from semkv.request import GenerateRequest
+from semkv.sparse.decoder import SparseConfig, SparseDecoder
+from semkv.sparse.registry import make_policy
 
 log = logging.getLogger(__name__)
-
-PROFILE_VERSION = 1
-PROFILE_DIR = "profiles"
-PROFILE_KEY = "profile"  # engine.ctx.settings[PROFILE_KEY]: the loaded profile dict
-APPLIED_KEY = "profile_applied"  # the settings keys the profile filled in
 
 
 @dataclass
@@ -67,7 +69,7 @@ class CalibrationConfig:
     target: top-1 agreement a value must reach to be the default.
     edit_share: share of the document's sentences replaced in a share case's target prompt.
     window_variant: on models with sliding-window layers also measure sparse decode with the
-        window layers attending to their whole window (:class:`WindowLayersDense`; not a default).
+        window layers attending to their whole window (``SparseConfig.dense_layers``; not a default).
     seed: seeds the cases.
     """
 
@@ -105,131 +107,6 @@ class CalibrationConfig:
             raise ValueError(f"techniques must be among blend, share, sparse; got {self.techniques}")
 
 
-# -- profile files ------------------------------------------------------------------------------------
-
-
-def profile_path(home: Path, fingerprint: str) -> Path:
-    return Path(home) / PROFILE_DIR / f"{fingerprint}.json"
-
-
-def load_profile(home: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The profile of ``fingerprint`` under ``home``, or None (missing, unreadable or another version)."""
-    path = profile_path(home, fingerprint)
-    if not path.is_file():
-        return None
-    try:
-        profile = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable calibration profile %s: %s", path, exc)
-        return None
-    if profile.get("version") != PROFILE_VERSION or profile.get("fingerprint") != fingerprint:
-        log.warning("ignoring calibration profile %s: other version or fingerprint", path)
-        return None
-    return profile
-
-
-def write_profile(home: Path, profile: dict[str, Any]) -> Path:
-    """Write atomically (temp file + rename)."""
-    path = profile_path(home, profile["fingerprint"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{time.time_ns()}")
-    tmp.write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
-def apply_profile(settings: dict[str, Any], profile: dict[str, Any] | None) -> None:
-    """Put a profile's defaults into ``PrefillContext.settings``.
-
-    ``settings["blend"]``: a ``BlendConfig`` with the calibrated ``recompute_ratio`` (read by
-    the blend path when a request gives none); ``settings["share"]``: a ``ShareConfig`` with
-    the calibrated ratio; ``settings["kv_budget"]``: policy -> calibrated budget;
-    ``settings["profile"]``: the profile itself (for :func:`check_request`).
-    """
-    if not profile:
-        return
-    defaults = profile.get("defaults", {})
-    settings[PROFILE_KEY] = profile
-    applied = [key for key in ("blend", "share", "kv_budget") if key not in settings]
-    if defaults.get("blend_recompute_ratio") is not None:
-        from semkv.reuse.blend import BlendConfig
-
-        settings.setdefault("blend", BlendConfig(recompute_ratio=float(defaults["blend_recompute_ratio"])))
-    if defaults.get("share_ratio") is not None:
-        settings.setdefault("share", share_config(float(defaults["share_ratio"])))
-    if defaults.get("kv_budget"):
-        settings.setdefault("kv_budget", dict(defaults["kv_budget"]))
-    settings[APPLIED_KEY] = [key for key in applied if key in settings]
-
-
-def remove_profile(settings: dict[str, Any]) -> None:
-    """Undo :func:`apply_profile` (calibration measures the techniques' own defaults)."""
-    for key in settings.pop(APPLIED_KEY, []):
-        settings.pop(key, None)
-    settings.pop(PROFILE_KEY, None)
-
-
-def check_request(settings: dict[str, Any], request: Any) -> list[str]:
-    """Warn (logging) for every knob of ``request`` set below the calibrated profile; return the messages."""
-    profile = settings.get(PROFILE_KEY)
-    if not profile:
-        return []
-    defaults = profile.get("defaults", {})
-    messages = []
-    blend_min = defaults.get("blend_recompute_ratio")
-    ratio = getattr(request, "recompute_ratio", None)
-    blend_cfg = getattr(request, "blend", None)
-    if ratio is None and blend_cfg is not None:
-        ratio = getattr(blend_cfg, "recompute_ratio", None)
-    if (
-        blend_min is not None
-        and ratio is not None
-        and request.reuse in ("blend", "auto")
-        and ratio < blend_min
-    ):
-        messages.append(
-            f"recompute_ratio {ratio} is below this model's calibrated {blend_min} "
-            f"(top-1 agreement with full prefill < {profile['target']})"
-        )
-    share_min = defaults.get("share_ratio")
-    share_cfg = getattr(request, "share", None)
-    if share_min is not None and share_cfg is not None and request.reuse in ("share", "auto"):
-        if _share_ratio(share_cfg) < share_min:
-            messages.append(
-                f"share recompute ratio {_share_ratio(share_cfg)} is below this model's calibrated {share_min}"
-            )
-    policy = getattr(request, "sparse", None)
-    policy = getattr(policy, "name", policy)
-    budget = getattr(request, "kv_budget", None)
-    budgets = defaults.get("kv_budget") or {}
-    if (
-        isinstance(policy, str)
-        and policy in budgets
-        and isinstance(budget, float)
-        and budget < budgets[policy]
-    ):
-        messages.append(
-            f"kv_budget {budget} for sparse={policy!r} is below this model's calibrated {budgets[policy]}"
-        )
-    for message in messages:
-        log.warning("%s (profile %s)", message, profile.get("path", profile["fingerprint"][:12]))
-    return messages
-
-
-def share_config(ratio: float):
-    """The share path's default config with its exponential schedule starting at ``ratio``."""
-    from semkv.reuse.share import ShareConfig
-
-    base = ShareConfig()
-    return ShareConfig(first_ratio=ratio, min_ratio=min(base.min_ratio, ratio))
-
-
-def _share_ratio(config: Any) -> float:
-    if getattr(config, "schedule", "exponential") == "constant":
-        return float(config.constant_ratio)
-    return float(config.first_ratio)
-
-
 # -- cases ----------------------------------------------------------------------------------------------
 
 
@@ -253,8 +130,6 @@ def _sentences(text: str) -> list[str]:
 
 def blend_cases(tokenizer, config: CalibrationConfig) -> list[tuple[list[str], str]]:
     """(chunks, question) per case: ``context_tokens`` of essay text cut into ``chunks`` pieces."""
-    from semkv.evaluation.essays import haystack
-
     question = "Which idea in the passages above matters most to their authors? Answer in one sentence."
     return [
         (
@@ -269,8 +144,6 @@ def blend_cases(tokenizer, config: CalibrationConfig) -> list[tuple[list[str], s
 
 def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
     """(reference prompt, target prompt): another instruction, ``edit_share`` of sentences replaced."""
-    from semkv.evaluation.essays import essays, haystack
-
     rng = random.Random(config.seed)
     fillers = _sentences(essays()[sorted(essays())[-1]])
     out = []
@@ -286,8 +159,6 @@ def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
 
 
 def sparse_cases(tokenizer, config: CalibrationConfig) -> list[str]:
-    from semkv.evaluation.essays import haystack
-
     question = "\n\nWhat is the main argument of the text above? Answer briefly."
     return [
         haystack(tokenizer, config.context_tokens, start_essay=3 * i + 2) + question
@@ -342,24 +213,18 @@ def smallest_passing(points: Sequence[dict[str, Any]], target: float) -> tuple[f
 
 
 def path_logits(
-    engine, steps: int, tokens: list[int] | None = None, **request: Any
+    engine: Engine, steps: int, tokens: list[int] | None = None, **request: Any
 ) -> tuple[list[Tensor], list[int], str]:
     """Prefill a request through the path it selects, then decode ``steps`` tokens: ``tokens``
     teacher-forced, or greedy when None. Returns (logits [V] of the first token and of every
     step, the tokens fed, the path taken). Nothing is stored."""
-    from semkv.request import GenerateRequest
-    from semkv.reuse import REUSE_PATHS
-
     req = GenerateRequest(max_new_tokens=steps + 1, stop_at_eos=False, store_prompt=False, **request)
-    layout = engine.layout(req)
-    plan, _ = engine.plan(req, layout)
-    cache = engine.runtime.new_cache(len(layout) + steps + 1)
-    outcome = REUSE_PATHS[plan.path].prefill(engine.ctx, plan, cache)
-    logits, fed = [outcome.logits], []
+    seq = engine.prefill(req)
+    logits, fed = [seq.first_logits], []
     for i in range(steps):
-        fed.append(tokens[i] if tokens is not None else int(logits[-1].argmax()))
-        logits.append(engine.runtime.decode(cache, fed[-1]))
-    return logits, fed, outcome.path
+        fed.append(tokens[i] if tokens is not None else seq.tokens[-1])
+        logits.append(engine.decode_step(seq, feed=fed[-1]))
+    return logits, fed, seq.outcome.path
 
 
 def _compare(point: Point, reference: list[Tensor], logits: list[Tensor], first: bool) -> None:
@@ -414,74 +279,52 @@ def measure_share(
     for reference_prompt, target in share_cases(engine.tokenizer, config):
         # remembered for sharing by the post-prefill hook
         engine.generate(prompt=reference_prompt, max_new_tokens=1, stop_at_eos=False, reuse="none")
-        cases.append(({"prompt": target}, lambda r: {"share": share_config(r)}))
+        cases.append(({"prompt": target}, lambda r: {"share": share_config_at(r)}))
     return _measure_reuse(engine, config, "share", cases, progress)
 
 
-def _teacher_forced(engine, cache, tokens: list[int], decoder) -> list[Tensor]:
-    out = [engine.runtime.decode(cache, token, decoder) for token in tokens]
-    if decoder is not None:
-        decoder.finish()
+def _teacher_forced(engine: Engine, seq, tokens: list[int]) -> list[Tensor]:
+    """Logits [V] of each step of ``seq`` fed ``tokens`` (teacher forcing)."""
+    out = [engine.decode_step(seq, feed=token) for token in tokens]
+    if seq.sparse is not None:
+        seq.sparse.finish()
     return out
 
 
-@dataclass
-class WindowLayersDense:
-    """A measurement variant: sparse selection on global layers only.
-
-    Wraps a sparse decoder (the runtime's key-gathering hook); on a sliding-window layer it
-    hands the runtime every row, so the position mask leaves exactly the layer's window
-    (at most ``window`` keys, the same cost bound as any selection). The sparse decoder
-    itself selects on every layer; this measures what selecting on global layers only
-    would give on models with window layers (Gemma 3).
-    """
-
-    decoder: Any
-    windows: list[int | None]
-
-    def gather(self, layer: int, q_rot: Tensor, cache) -> tuple[Tensor, Tensor, Tensor] | None:
-        picked = self.decoder.gather(layer, q_rot, cache)  # keeps the decoder's per-step bookkeeping
-        return None if self.windows[layer] is not None else picked
-
-    def finish(self) -> None:
-        self.decoder.finish()
-
-
 def measure_sparse(
-    engine, config: CalibrationConfig, progress: Callable | None = None, window_layers_dense: bool = False
+    engine: Engine,
+    config: CalibrationConfig,
+    progress: Callable | None = None,
+    window_layers_dense: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per policy and budget: per-step KL / top-1 vs dense, teacher-forced on the dense greedy tokens.
+    Every policy decodes from a fork of one prefilled sequence.
 
-    window_layers_dense: measure the :class:`WindowLayersDense` variant instead of the decoder as it is.
+    window_layers_dense: the measurement variant where sliding-window layers attend to their whole
+    window (``SparseConfig.dense_layers``) and only global layers select (models with window layers).
     """
-    from semkv.request import GenerateRequest
-    from semkv.sparse.session import decoder_for, prefill_capture
-
-    runtime = engine.runtime
+    windows = [engine.adapter.window(layer) for layer in range(engine.adapter.num_layers)]
+    dense_layers = tuple(i for i, w in enumerate(windows) if w is not None) if window_layers_dense else ()
     points = {p: [Point(b) for b in config.budgets] for p in config.policies}
     for prompt in sparse_cases(engine.tokenizer, config):
-        ids = engine.layout(GenerateRequest(prompt=prompt)).token_ids
-        cache = runtime.new_cache(len(ids) + config.decode_steps + 1)
-        logits = runtime.prefill(cache, ids)
-        prompt_cache = copy.deepcopy(cache)
+        request = GenerateRequest(
+            prompt=prompt, max_new_tokens=config.decode_steps + 1, stop_at_eos=False, store_prompt=False
+        )
+        base = engine.prefill(request, capture_queries=True)
+        dense_seq = engine.fork(base)
         tokens, dense = [], []
         for _ in range(config.decode_steps):
-            tokens.append(int(logits.argmax()))
-            logits = runtime.decode(cache, tokens[-1])
-            dense.append(logits)
+            tokens.append(dense_seq.tokens[-1])
+            dense.append(engine.decode_step(dense_seq))
         for policy, budget_points in points.items():
             for point in budget_points:
-                decoder = decoder_for(policy, point.value, engine.config.block_size)
-                if decoder.policy.needs_prefill_queries:
-                    cache = runtime.new_cache(len(ids) + config.decode_steps + 1)
-                    with prefill_capture(decoder, runtime, cache):
-                        runtime.prefill(cache, ids)
-                else:
-                    cache = copy.deepcopy(prompt_cache)
-                if window_layers_dense:
-                    windows = [engine.adapter.window(layer) for layer in range(engine.adapter.num_layers)]
-                    decoder = WindowLayersDense(decoder, windows)
-                _compare(point, dense, _teacher_forced(engine, cache, tokens, decoder), first=False)
+                decoder = SparseDecoder(
+                    make_policy(policy),
+                    SparseConfig(kv_budget=point.value, dense_layers=dense_layers),
+                    engine.config.block_size,
+                )
+                seq = engine.fork(base, sparse=decoder)
+                _compare(point, dense, _teacher_forced(engine, seq, tokens), first=False)
                 if progress:
                     progress()
     return {policy: [p.summary() for p in pts] for policy, pts in points.items()}
@@ -490,6 +333,7 @@ def measure_sparse(
 def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bool = True) -> dict[str, Any]:
     """Measure every technique on ``engine`` and return the profile (not written)."""
     config = config or CalibrationConfig()
+    engine.defaults = EngineDefaults()  # measure the techniques themselves, not an older profile's defaults
     steps = 0
     if "blend" in config.techniques:
         steps += config.cases * len(config.ratios)
@@ -623,7 +467,6 @@ def add_parser(subparsers, add_engine_args: Callable) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from semkv.config import StoreConfig
-    from semkv.engine import Engine
 
     config = CalibrationConfig(
         cases=args.cases,
@@ -638,7 +481,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     # A memory-only store: calibration's chunks and prompts never land in the user's disk store.
     engine = Engine.from_args(args, store=StoreConfig(disk=False))
-    remove_profile(engine.ctx.settings)  # measure the techniques themselves, not an older profile's defaults
     try:
         profile = calibrate(engine, config)
     finally:

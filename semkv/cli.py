@@ -21,6 +21,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu; cuda is built for, untested)")
 
 
 def _engine(args: argparse.Namespace):
@@ -79,8 +80,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from semkv import calibrate
     from semkv.bench import add_bench_parsers
-    from semkv.extensions import add_extension_parsers
+    from semkv.server import command as serve_command
 
     parser = argparse.ArgumentParser(prog="semkv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -109,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=None)
     p.set_defaults(func=cmd_cache)
 
-    add_extension_parsers(sub, _add_engine_args)
+    serve_command.add_parser(sub, _add_engine_args)
+    calibrate.add_parser(sub, _add_engine_args)
     return parser
 
 

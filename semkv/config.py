@@ -69,6 +69,8 @@ class EngineConfig:
     kv_dtype: dtype of KV at rest *and* in the live computation ("float16", "bfloat16", "float32").
     block_size: tokens per prefix block.
     threads: torch intra-op threads; None leaves torch's default.
+    device: the torch device the model and its KV live on ("cpu", "cuda", "cuda:1", ...). Only "cpu"
+        is tested; CUDA is built for (CPU-only kernels sit behind a device check) but untested.
     """
 
     model: str = "smollm2-135m"
@@ -78,8 +80,15 @@ class EngineConfig:
     threads: int | None = None
     store: StoreConfig = field(default_factory=StoreConfig)
     models_dir: str | Path | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a str such as 'cpu' or 'cuda', got {self.device!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -94,6 +103,10 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
 
     @property
     def home_path(self) -> Path:

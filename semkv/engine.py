@@ -1,48 +1,63 @@
-"""The request pipeline: layout -> plan -> prefill -> store -> decode."""
+"""The request pipeline, as public steps: prefill -> decode -> store -> finish.
+
+A request goes through:
+
+1. :meth:`Engine.layout` — the prompt as tokenized segments (template, chunks, body, suffix);
+2. :meth:`Engine.plan` — every reuse path is asked for an offer (``semkv/reuse/``); the one that
+   reuses most is chosen, the others' refusals are kept;
+3. :meth:`Engine.prefill` — a live cache is filled by the chosen path, the first token sampled:
+   a :class:`~semkv.sequence.Sequence`;
+4. :meth:`Engine.decode_step` / :meth:`Engine.decode` — one or many decode steps (dense, or through
+   the request's sparse decoder);
+5. :meth:`Engine.store_prefill` — what the prefill made reusable (prefix blocks, chunks, the prompt for
+   sharing) goes to the store; done after the first token, so it is not in TTFT;
+6. :meth:`Engine.finish` — the :class:`~semkv.request.Generation` (text, token ids, stats).
+
+:meth:`Engine.generate` composes them for one request.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from semkv.calibrate import apply_profile, check_request, load_profile
 from semkv.config import EngineConfig, StoreConfig
-from semkv.models.adapters import adapter_for
-from semkv.models.cache import KVCache
 from semkv.models.loader import load_model, model_fingerprint
+from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
+from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
 from semkv.prompt import PromptLayout, build_layout
-from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest, Generation
-from semkv.reuse import POST_PREFILL_HOOKS, REUSE_PATHS, Plan, PrefillContext, PrefillOutcome, Refusal
-from semkv.reuse.prefix import store_prefix
-from semkv.sparse import SparseDecoder
-from semkv.sparse.session import decoder_for, prefill_capture
+from semkv.request import GenerateRequest, Generation
+from semkv.reuse.base import Plan, PrefillContext, Refusal, ReusePath
+from semkv.reuse.blend import add_chunks
+from semkv.reuse.options import BlendConfig
+from semkv.reuse.registry import FULL, build_paths
+from semkv.sequence import Sequence, TokenCallback
+from semkv.sparse.base import SparsePolicy
+from semkv.sparse.decoder import SparseDecoder
+from semkv.sparse.index import capture_prefill_queries
+from semkv.sparse.session import decoder_for
 from semkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
-
-def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0, else temperature + nucleus sampling. logits: [V]."""
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+SHARE_INDEX_DIR = "share_index"
 
 
 class Engine:
-    """A model, its runtime and its KV store. Thread-safe: requests run one at a time."""
+    """A model, its runtime, its KV store and its reuse paths.
+
+    Thread-safe: the public steps hold one re-entrant lock, so requests run one at a time.
+    ``defaults`` holds what unset request knobs fall back to (the calibrated profile, if any).
+    """
 
     def __init__(
         self, config: EngineConfig, hf_model: torch.nn.Module, tokenizer: Any, name: str = ""
@@ -58,11 +73,14 @@ class Engine:
         self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype)
         self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
+        self.paths: dict[str, ReusePath] = build_paths(self.share_index_folder())
         # defaults measured by `semkv calibrate` for this fingerprint, if any
-        apply_profile(self.ctx.settings, load_profile(config.home_path, self.fingerprint))
+        self.defaults: EngineDefaults = defaults_from_profile(
+            load_profile(config.home_path, self.fingerprint)
+        )
         self.max_context = int(self.adapter.max_positions)
-        self.eos_ids = self._eos_ids()
-        self._lock = threading.Lock()
+        self.eos_ids = frozenset(self._eos_ids())
+        self._lock = threading.RLock()
 
     @classmethod
     def from_pretrained(
@@ -75,9 +93,10 @@ class Engine:
         threads: int | None = None,
         store: StoreConfig | None = None,
         models_dir: str | Path | None = None,
+        device: str = "cpu",
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
-        checkpoint folder."""
+        checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
         config = EngineConfig(
             model=model,
             home=home,
@@ -86,20 +105,23 @@ class Engine:
             threads=threads,
             store=store or StoreConfig(),
             models_dir=models_dir,
+            device=device,
         )
-        loaded = load_model(config.model, config.home_path, config.models_path)
+        loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
         return cls(config, loaded.hf_model, loaded.tokenizer, name=loaded.name)
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> Engine:
         """An engine from the standard CLI flags (``--model --home --kv-dtype --block-size --threads``,
-        and ``--models-dir`` where a command has it); ``overrides`` replace or add keyword arguments."""
+        and ``--models-dir`` / ``--device`` where a command has them); ``overrides`` replace or add
+        keyword arguments."""
         options: dict[str, Any] = {
             "home": args.home,
             "kv_dtype": args.kv_dtype,
             "block_size": args.block_size,
             "threads": args.threads,
             "models_dir": getattr(args, "models_dir", None),
+            "device": getattr(args, "device", None) or "cpu",
         }
         options.update(overrides)
         return cls.from_pretrained(args.model, **options)
@@ -116,8 +138,20 @@ class Engine:
                 ids.update(int(x) for x in source)
         return ids
 
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    def share_index_folder(self) -> Path | None:
+        """``<home>/share_index/<fingerprint[:16]>`` when the store keeps a disk tier, else None (the
+        share path's index then lives in memory only)."""
+        if not self.config.store.disk:
+            return None
+        return self.config.home_path / SHARE_INDEX_DIR / self.fingerprint[:16]
+
     # -- layout & planning -------------------------------------------------------------------------
     def layout(self, request: GenerateRequest) -> PromptLayout:
+        """The request's prompt as tokenized segments; a ValueError if it is empty or too long."""
         layout = build_layout(
             self.tokenizer, request.prompt, request.messages, request.chunks, request.use_chat_template
         )
@@ -131,33 +165,177 @@ class Engine:
             )
         return layout
 
-    def plan(self, request: GenerateRequest, layout: PromptLayout) -> tuple[Plan, list[Refusal]]:
-        """Pick the prefill path: the requested one, or under "auto" the one that reuses most."""
-        if request.reuse == "none":
-            return REUSE_PATHS["full"].plan(self.ctx, request, layout), []
-        names = [n for n in REUSE_PATHS if n != "full"] if request.reuse == "auto" else [request.reuse]
+    def plan(
+        self, request: GenerateRequest, layout: PromptLayout | None = None
+    ) -> tuple[Plan, list[Refusal]]:
+        """Pick the prefill path: under "auto" the one that reuses most; an explicit mode, or an exact
+        prefix hit when it reuses more (exact reuse is always allowed); "none" is full prefill.
+        Returns the plan and the refusals of the paths asked."""
+        layout = layout if layout is not None else self.layout(request)
+        options = self.defaults.reuse_options(request)
+        if options.mode == "none":
+            return self.paths[FULL].plan(self.ctx, options, layout), []
+        if options.mode == "auto":
+            names = [name for name in self.paths if name != FULL]
+        else:
+            names = [options.mode] + (["prefix"] if options.mode != "prefix" else [])
         best: Plan | None = None
         refusals: list[Refusal] = []
         for name in names:
-            offer = REUSE_PATHS[name].plan(self.ctx, request, layout)
+            offer = self.paths[name].plan(self.ctx, options, layout)
             if isinstance(offer, Refusal):
                 refusals.append(offer)
             elif best is None or offer.reused_tokens > best.reused_tokens:
                 best = offer
         if best is None:
-            best = REUSE_PATHS["full"].plan(self.ctx, request, layout)
+            best = self.paths[FULL].plan(self.ctx, options, layout)
         return best, refusals
 
-    def kv_budget_for(self, request: GenerateRequest) -> float | int:
-        """The request's kv_budget, else the calibrated budget of its sparse policy, else the default."""
-        if request.kv_budget is not None:
-            return request.kv_budget
-        policy = getattr(request.sparse, "name", request.sparse)
-        return self.ctx.settings.get("kv_budget", {}).get(policy, DEFAULT_KV_BUDGET)
+    # -- the steps -----------------------------------------------------------------------------------
+    def prefill(self, request: GenerateRequest, *, capture_queries: bool = False) -> Sequence:
+        """Lay out and plan ``request``, fill a live cache through the chosen path and sample the first
+        token. ``capture_queries`` keeps the prompt's queries (needed to :meth:`fork` into SnapKV/H2O).
+        The TTFT (``seq.ttft_s``) covers planning, prefill and the first token; nothing is stored yet."""
+        with self._lock:
+            layout = self.layout(request)
+            check_request(self.defaults, request)  # warns below the calibrated profile
+            start = time.perf_counter()
+            options = self.defaults.reuse_options(request)
+            plan, refusals = self.plan(request, layout)
+            cache = self.runtime.new_cache(len(layout) + request.max_new_tokens)
+            kv_budget = self.defaults.kv_budget_for(request)
+            sparse = decoder_for(request.sparse, kv_budget, self.config.block_size)
+            capture = capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries)
+            queries = None
+            if capture:
+                with capture_prefill_queries(cache) as queries:
+                    outcome = self.paths[plan.path].prefill(self.ctx, plan, cache)
+                if sparse is not None:
+                    sparse.prefill = queries
+            else:
+                outcome = self.paths[plan.path].prefill(self.ctx, plan, cache)
+            seq = Sequence(
+                request=request,
+                options=options,
+                layout=layout,
+                plan=plan,
+                refusals=refusals,
+                outcome=outcome,
+                cache=cache,
+                sparse=sparse,
+                generator=torch.Generator().manual_seed(request.seed),
+                eos_ids=self.eos_ids,
+                kv_budget=kv_budget,
+                prefill_queries=queries,
+                notes=self._fallback_note(options.mode, outcome.path, refusals),
+            )
+            seq.sample(outcome.logits)
+            seq.ttft_s = time.perf_counter() - start
+            return seq
 
-    # -- the pipeline --------------------------------------------------------------------------------
+    @staticmethod
+    def _fallback_note(mode: str, path: str, refusals: list[Refusal]) -> dict[str, Any]:
+        """Say why an explicitly requested mode did not serve the request."""
+        if mode in ("auto", "none", path):
+            return {}
+        reason = next((r.reason for r in refusals if r.path == mode), None)
+        if path == "prefix":
+            why = reason or "it reused fewer tokens"
+            return {"fallback": f"reuse={mode!r} was outdone by an exact prefix hit ({why})"}
+        return {"fallback": f"reuse={mode!r} refused: {reason}; served by {path}"}
+
+    @torch.inference_mode()
+    def decode_step(self, seq: Sequence, feed: int | None = None) -> Tensor:
+        """One decode step: feed the sequence's last token (or ``feed`` in its place: teacher forcing),
+        sample the next one into ``seq.tokens``; returns the step's logits [V]. Untimed, no stop check."""
+        with self._lock:
+            if feed is not None:
+                seq.tokens[-1] = int(feed)
+            logits = self.runtime.decode(seq.cache, seq.tokens[-1], seq.sparse)
+            seq.sample(logits)
+            return logits
+
+    def decode(
+        self, seq: Sequence, *, max_steps: int | None = None, on_token: TokenCallback | None = None
+    ) -> list[int]:
+        """Decode until the sequence finishes (max_new_tokens, EOS, or ``on_token`` returning False) or
+        ``max_steps`` steps; each kept token goes to ``on_token`` as soon as it is sampled. Returns the
+        tokens this call sampled; the time spent adds to ``seq.decode_s``."""
+        with self._lock:
+            seq.emit_pending(on_token)
+            start = time.perf_counter()
+            before = len(seq.tokens)
+            steps = 0
+            while not seq.finished and (max_steps is None or steps < max_steps):
+                self.decode_step(seq)
+                steps += 1
+                seq.emit_pending(on_token)
+            seq.decode_s += time.perf_counter() - start
+            return seq.tokens[before:]
+
+    def store_prefill(self, seq: Sequence) -> float:
+        """Keep what the prefill made reusable (each path's ``after_prefill``: prefix blocks, chunks,
+        the prompt for sharing), unless the request said ``store_prompt=False``. Once per sequence;
+        returns the seconds spent."""
+        with self._lock:
+            if seq.stored or not seq.request.store_prompt:
+                return 0.0
+            start = time.perf_counter()
+            for path in self.paths.values():
+                path.after_prefill(self.ctx, seq.options, seq.layout, seq.cache, seq.outcome)
+            seq.stored = True
+            seq.store_s = time.perf_counter() - start
+            return seq.store_s
+
+    def finish(self, seq: Sequence) -> Generation:
+        """Close the sequence's sparse bookkeeping and return its :class:`Generation`."""
+        if seq.sparse is not None:
+            seq.sparse.finish()
+        generated = seq.output_ids()
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        return Generation(text=text, token_ids=generated, stats=seq.stats(), first_logits=seq.first_logits)
+
+    def fork(
+        self,
+        seq: Sequence,
+        *,
+        sparse: str | SparsePolicy | SparseDecoder | None = None,
+        kv_budget: float | int | None = None,
+    ) -> Sequence:
+        """An independent copy of ``seq`` (cache, tokens, sampler state) decoding with another sparse
+        policy: a policy name or object (with ``kv_budget``, else the sequence's budget), a ready
+        :class:`SparseDecoder`, or None for dense. Measurements decode several policies from one
+        prefilled cache this way. SnapKV / H2O need the prefill's queries (``prefill(capture_queries=True)``)."""
+        with self._lock:
+            budget = seq.kv_budget if kv_budget is None else kv_budget
+            if isinstance(sparse, SparseDecoder):
+                decoder: SparseDecoder | None = sparse
+            else:
+                decoder = decoder_for(sparse, budget, self.config.block_size)
+            if decoder is not None and decoder.policy.needs_prefill_queries:
+                if seq.prefill_queries is None:
+                    raise ValueError(
+                        f"sparse policy {decoder.policy.name!r} needs the prompt's queries: prefill with "
+                        "capture_queries=True"
+                    )
+                decoder.prefill = seq.prefill_queries
+            generator = torch.Generator()
+            generator.set_state(seq.generator.get_state())
+            return replace(
+                seq,
+                cache=copy.deepcopy(seq.cache),
+                sparse=decoder,
+                generator=generator,
+                kv_budget=budget,
+                tokens=list(seq.tokens),
+                decode_s=0.0,
+                stored=True,  # the original stores what the prefill made reusable
+                notes=dict(seq.notes),
+            )
+
+    # -- one request ----------------------------------------------------------------------------------
     def generate(
-        self, prompt: str | None = None, on_token: Callable[[int], bool | None] | None = None, **options: Any
+        self, prompt: str | None = None, on_token: TokenCallback | None = None, **options: Any
     ) -> Generation:
         """Generate a completion. Options are the fields of :class:`GenerateRequest`.
 
@@ -166,100 +344,19 @@ class Engine:
         """
         request = GenerateRequest(prompt=prompt, **options)
         with self._lock:
-            return self._generate(request, on_token)
+            seq = self.prefill(request)
+            seq.emit_pending(on_token)  # before storing: a streaming client's TTFT excludes the store
+            self.store_prefill(seq)
+            self.decode(seq, on_token=on_token)
+            return self.finish(seq)
 
-    def _generate(
-        self, request: GenerateRequest, on_token: Callable[[int], bool | None] | None = None
-    ) -> Generation:
-        layout = self.layout(request)
-        check_request(self.ctx.settings, request)  # warns below the calibrated profile
-        prompt_ids = layout.token_ids
-        start = time.perf_counter()
-        plan, refusals = self.plan(request, layout)
-        cache = self.runtime.new_cache(len(prompt_ids) + request.max_new_tokens)
-        sparse = decoder_for(request.sparse, self.kv_budget_for(request), self.config.block_size)
-        with prefill_capture(sparse, self.runtime, cache):
-            outcome = REUSE_PATHS[plan.path].prefill(self.ctx, plan, cache)
-        generator = torch.Generator().manual_seed(request.seed)
-        token = sample_token(outcome.logits, request.temperature, request.top_p, generator)
-        ttft = time.perf_counter() - start
-        stopped = self._emit(on_token, token, request)  # before storing: streaming TTFT excludes the store
-        store_s = self._after_prefill(request, layout, cache, outcome)
-        generated, decode_s = self._decode(cache, token, request, generator, on_token, stopped, sparse)
-        stats = {
-            "ttft_s": ttft,
-            "decode_s": decode_s,
-            "decode_ms_per_token": 1000 * decode_s / max(1, len(generated) - 1),
-            "store_s": store_s,
-            "prompt_tokens": len(prompt_ids),
-            "generated_tokens": len(generated),
-            "reused_tokens": outcome.reused_tokens,
-            "recomputed_tokens": outcome.recomputed_tokens,
-            "path": outcome.path,
-            "refused": {r.path: r.reason for r in refusals},
-            **outcome.info,
-            **(sparse.stats(decode_s) if sparse is not None else {}),
-        }
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        return Generation(text=text, token_ids=generated, stats=stats, first_logits=outcome.logits)
-
-    def _after_prefill(
-        self, request: GenerateRequest, layout: PromptLayout, cache: KVCache, outcome: PrefillOutcome
-    ) -> float:
-        """Store what the prefill made reusable; run the post-prefill hooks. Returns seconds spent."""
-        start = time.perf_counter()
-        if request.store_prompt:
-            if outcome.exact:
-                store_prefix(self.ctx, cache, layout.token_ids)
-            for hook in POST_PREFILL_HOOKS:
-                hook(self.ctx, request, layout, cache, outcome)
-        return time.perf_counter() - start
-
-    def _emit(
-        self, on_token: Callable[[int], bool | None] | None, token: int, request: GenerateRequest
-    ) -> bool:
-        """Hand a kept (non-final-EOS) token to ``on_token``; True if it asked to stop."""
-        if on_token is None or (request.stop_at_eos and token in self.eos_ids):
-            return False
-        return on_token(token) is False
-
-    def _decode(
-        self,
-        cache: KVCache,
-        first: int,
-        request: GenerateRequest,
-        generator: torch.Generator,
-        on_token: Callable[[int], bool | None] | None = None,
-        stopped: bool = False,
-        sparse: SparseDecoder | None = None,
-    ) -> tuple[list[int], float]:
-        generated = [first]
-        start = time.perf_counter()
-        token = first
-        while (
-            not stopped
-            and len(generated) < request.max_new_tokens
-            and not (request.stop_at_eos and token in self.eos_ids)
-        ):
-            logits = self.runtime.decode(cache, token, sparse)
-            token = sample_token(logits, request.temperature, request.top_p, generator)
-            generated.append(token)
-            stopped = self._emit(on_token, token, request)
-        if sparse is not None:
-            sparse.finish()
-        if request.stop_at_eos and generated and generated[-1] in self.eos_ids:
-            generated.pop()
-        return generated, time.perf_counter() - start
-
-    def add_chunks(self, texts: list[str], config: Any = None) -> list[str]:
+    def add_chunks(self, texts: list[str], config: BlendConfig | None = None) -> list[str]:
         """Precompute and store each text's position-independent KV for CacheBlend; returns chunk keys.
 
-        config: a ``semkv.reuse.blend.BlendConfig`` (its ``sink`` decides how chunks are computed).
+        config: its ``sink`` decides how chunks are computed (default: the engine's blend default).
         """
-        from semkv.reuse.blend import add_chunks
-
         with self._lock:
-            return list(add_chunks(self.ctx, texts, config))
+            return list(add_chunks(self.ctx, texts, config or self.defaults.blend))
 
     def close(self) -> None:
         self.store.close()

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-REUSE_MODES = ("auto", "none", "prefix", "share", "blend")
+from semkv.reuse.options import BlendConfig, ShareConfig, check_fraction
+from semkv.reuse.registry import REUSE_MODES
+from semkv.sparse import SparsePolicy, validate_sparse
+
 MAX_NEW_TOKENS_LIMIT = 8192
 DEFAULT_KV_BUDGET = 0.1
 
@@ -38,12 +41,10 @@ class GenerateRequest:
     seed: int = 0
     stop_at_eos: bool = True
     store_prompt: bool = True  # keep this prompt's KV in the store for later requests
-    share: Any = None  # semkv.reuse.share.ShareConfig (or a dict of its fields) for reuse="share"/"auto"
+    share: ShareConfig | dict | None = None  # reuse="share"/"auto" options (or a dict of its fields)
     recompute_ratio: float | None = None  # reuse="blend": fraction of cached chunk tokens recomputed
-    blend: Any = None  # semkv.reuse.blend.BlendConfig (or a dict of its fields) for reuse="blend"/"auto"
-    sparse: Any = (
-        None  # sparse decode policy: None/"dense", a name in semkv.sparse.POLICIES, or a SparsePolicy
-    )
+    blend: BlendConfig | dict | None = None  # reuse="blend"/"auto" options (or a dict of its fields)
+    sparse: str | SparsePolicy | None = None  # None/"dense", a name in semkv.sparse.POLICIES, or a policy
     kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
     # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
 
@@ -65,25 +66,15 @@ class GenerateRequest:
                 f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}"
             )
         if self.share is not None:
-            from semkv.reuse.share import ShareConfig  # lazy: semkv.reuse imports this module
-
             self.share = ShareConfig(**self.share) if isinstance(self.share, dict) else self.share
             if not isinstance(self.share, ShareConfig):
                 raise ValueError(f"share must be a ShareConfig or a dict, got {type(self.share).__name__}")
-        if self.recompute_ratio is not None and (
-            isinstance(self.recompute_ratio, bool)
-            or not isinstance(self.recompute_ratio, (int, float))
-            or not 0.0 <= self.recompute_ratio <= 1.0
-        ):
-            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {self.recompute_ratio!r}")
+        if self.recompute_ratio is not None:
+            check_fraction("recompute_ratio", self.recompute_ratio)
         if self.blend is not None:
-            from semkv.reuse.blend import BlendConfig  # lazy: semkv.reuse imports this module
-
             self.blend = BlendConfig(**self.blend) if isinstance(self.blend, dict) else self.blend
             if not isinstance(self.blend, BlendConfig):
                 raise ValueError(f"blend must be a BlendConfig or a dict, got {type(self.blend).__name__}")
-        from semkv.sparse import SparsePolicy, validate_sparse  # lazy, like share/blend above
-
         validate_sparse(
             None if isinstance(self.sparse, SparsePolicy) else self.sparse,
             DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,

@@ -12,19 +12,11 @@ import logging
 
 import pytest
 
-from semkv.calibrate import (
-    CalibrationConfig,
-    calibrate,
-    check_request,
-    format_profile,
-    load_profile,
-    profile_path,
-    smallest_passing,
-    write_profile,
-)
+from semkv.calibrate import CalibrationConfig, calibrate, format_profile, smallest_passing
 from semkv.cli import build_parser
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
+from semkv.profile import check_request, load_profile, profile_path, write_profile
 from semkv.request import GenerateRequest
 
 
@@ -74,22 +66,22 @@ def _reopen(engine) -> Engine:
 
 def test_engine_uses_the_profile_and_warns_below_it(make_tiny_engine, caplog):
     engine = make_tiny_engine("llama", disk=False)
-    assert "profile" not in engine.ctx.settings
+    assert engine.defaults.profile is None
     write_profile(engine.config.home_path, _profile(engine))
     engine = _reopen(engine)
-    assert engine.ctx.settings["blend"].recompute_ratio == 0.3
-    assert engine.ctx.settings["share"].first_ratio == 0.2
+    assert engine.defaults.blend.recompute_ratio == 0.3
+    assert engine.defaults.share.first_ratio == 0.2
     chunks = ["A short text about the sea and the boats in the harbour.", "Another text about mountains."]
     engine.add_chunks(chunks)
     g = engine.generate(prompt="Where are the boats?", chunks=chunks, reuse="blend", max_new_tokens=2)
     assert g.stats["path"] == "blend" and g.stats["recompute_ratio"] == 0.3  # the profile's default
-    with caplog.at_level(logging.WARNING, logger="semkv.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="semkv.profile"):
         low = engine.generate(
             prompt="Where are the boats?", chunks=chunks, reuse="blend", recompute_ratio=0.1, max_new_tokens=2
         )
     assert low.stats["recompute_ratio"] == 0.1  # a request's own setting still wins
     assert any("recompute_ratio 0.1 is below" in r.message for r in caplog.records)
-    settings = engine.ctx.settings
+    settings = engine.defaults
     assert check_request(settings, GenerateRequest(prompt="x", reuse="blend", recompute_ratio=0.5)) == []
     assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.05))
     assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.5)) == []
@@ -104,9 +96,9 @@ def test_profile_of_another_fingerprint_or_damaged_is_ignored(make_tiny_engine, 
     assert load_profile(home, engine.fingerprint) is None
     path = profile_path(home, engine.fingerprint)
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="semkv.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="semkv.profile"):
         reopened = _reopen(engine)
-    assert "profile" not in reopened.ctx.settings
+    assert reopened.defaults.profile is None
     assert any("unreadable calibration profile" in r.message for r in caplog.records)
 
 
@@ -137,7 +129,7 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
     assert "sparse keykey" in format_profile(profile)
     path = write_profile(engine.config.home_path, profile)
     assert json.loads(path.read_text())["defaults"] == profile["defaults"]
-    assert load_profile(engine.config.home_path, engine.fingerprint)["defaults"] == profile["defaults"]
+    assert load_profile(engine.config.home_path, engine.fingerprint).data["defaults"] == profile["defaults"]
 
 
 def test_window_variant_on_a_model_with_window_layers(make_tiny_engine):

@@ -22,8 +22,8 @@ import torch
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.request import GenerateRequest
-from semkv.reuse.share import ShareConfig
-from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, capture_prefill_queries, make_policy
+from semkv.reuse.options import ShareConfig
+from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, make_policy
 from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
 ATOL = 1e-4
@@ -132,14 +132,11 @@ def dense_runs(tmp_path_factory, tokenizer):
 
 def _teacher_forced(engine, tokens: list[int], decoder: SparseDecoder | None) -> torch.Tensor:
     """Per-step decode logits [steps, V] after a full prefill of PROMPT, feeding ``tokens``."""
-    runtime = engine.runtime
-    ids = engine.layout(GenerateRequest(prompt=PROMPT)).token_ids
-    cache = runtime.new_cache(len(ids) + len(tokens))
-    with capture_prefill_queries(runtime, cache, window=8, stride=16) as captured:
-        runtime.prefill(cache, ids)
-    if decoder is not None:
-        decoder.prefill = captured
-    return torch.stack([runtime.decode(cache, token, decoder) for token in tokens])
+    request = GenerateRequest(
+        prompt=PROMPT, max_new_tokens=len(tokens) + 1, reuse="none", store_prompt=False, stop_at_eos=False
+    )
+    seq = engine.fork(engine.prefill(request, capture_queries=True), sparse=decoder)
+    return torch.stack([engine.decode_step(seq, feed=token) for token in tokens])
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

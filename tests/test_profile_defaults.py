@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from semkv.profile import EngineDefaults
 from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest
-from semkv.reuse.share import ShareConfig, share_config_of
+from semkv.reuse.options import BlendConfig, ShareConfig
 
 
 def test_kv_budget_falls_back_to_profile_then_default(make_tiny_engine):
     engine = make_tiny_engine("llama")
     request = GenerateRequest(prompt="hello", sparse="keykey")
-    assert engine.kv_budget_for(request) == DEFAULT_KV_BUDGET
-    engine.ctx.settings["kv_budget"] = {"keykey": 0.5}
-    assert engine.kv_budget_for(request) == 0.5
-    assert engine.kv_budget_for(GenerateRequest(prompt="hello", sparse="quest")) == DEFAULT_KV_BUDGET
-    assert engine.kv_budget_for(GenerateRequest(prompt="hello", sparse="keykey", kv_budget=0.2)) == 0.2
+    assert engine.defaults.kv_budget_for(request) == DEFAULT_KV_BUDGET
+    engine.defaults = replace(engine.defaults, kv_budget={"keykey": 0.5})
+    assert engine.defaults.kv_budget_for(request) == 0.5
+    assert engine.defaults.kv_budget_for(GenerateRequest(prompt="hello", sparse="quest")) == DEFAULT_KV_BUDGET
+    assert (
+        engine.defaults.kv_budget_for(GenerateRequest(prompt="hello", sparse="keykey", kv_budget=0.2)) == 0.2
+    )
     generation = engine.generate(prompt="hello there", sparse="keykey", max_new_tokens=3, stop_at_eos=False)
     assert len(generation.token_ids) == 3
 
 
 def test_share_config_falls_back_to_profile():
     calibrated = ShareConfig(min_tokens=123)
-    assert share_config_of(GenerateRequest(prompt="x")).min_tokens == ShareConfig().min_tokens
-    assert share_config_of(GenerateRequest(prompt="x"), {"share": calibrated}) is calibrated
+    assert (
+        EngineDefaults().reuse_options(GenerateRequest(prompt="x")).share.min_tokens
+        == ShareConfig().min_tokens
+    )
+    defaults = EngineDefaults(share=calibrated)
+    assert defaults.reuse_options(GenerateRequest(prompt="x")).share is calibrated
     explicit = ShareConfig(min_tokens=7)
-    assert share_config_of(GenerateRequest(prompt="x", share=explicit), {"share": calibrated}) is explicit
+    assert defaults.reuse_options(GenerateRequest(prompt="x", share=explicit)).share is explicit
+
+
+def test_blend_config_falls_back_to_profile_and_ratio_applies_on_top():
+    defaults = EngineDefaults(blend=BlendConfig(recompute_ratio=0.3, check_layer=2))
+    assert defaults.reuse_options(GenerateRequest(prompt="x")).blend.recompute_ratio == 0.3
+    on_top = defaults.reuse_options(GenerateRequest(prompt="x", recompute_ratio=0.1)).blend
+    assert (on_top.recompute_ratio, on_top.check_layer) == (0.1, 2)
+    own = defaults.reuse_options(GenerateRequest(prompt="x", blend={"deviation_on": "v"})).blend
+    assert (own.recompute_ratio, own.deviation_on) == (BlendConfig().recompute_ratio, "v")

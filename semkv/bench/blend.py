@@ -38,7 +38,7 @@ from semkv.engine import Engine
 from semkv.evaluation import metrics
 from semkv.evaluation.documents import Chunk, Question, build_pool, build_questions, messages_for
 from semkv.prompt import build_layout
-from semkv.reuse.blend import SINK_MODES, BlendConfig
+from semkv.reuse.options import SINK_MODES, BlendConfig
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
             sub = questions[: args.ablation_questions]
             ratio = args.ablation_ratio
             base = [RowSpec("full prefill", "none"), RowSpec(f"blend {ratio:.2f}", "blend", ratio, default)]
-            ab_specs = base + _ablation_rows(default, ratio, engine.runtime.num_layers)
+            ab_specs = base + _ablation_rows(default, ratio, engine.num_layers)
             ab = _run_variant(engine, pool, sub, ab_specs, args, f"ablation {variant}")
             rows += _rows_for(f"ablation {variant}", ab_specs, ab, [q.answer for q in sub])
             _write(out, rows, config, per_question, variants, ratios[-1] if ratios else 0.0)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from semkv.bench.report import median, write_results
 from semkv.evaluation.essays import haystack
+from semkv.request import GenerateRequest
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, chunk_key
 from semkv.store.tiers import DiskTier
@@ -46,16 +47,29 @@ def _timed(fn, repeats: int) -> list[float]:
     return out
 
 
+def _plain_request(text: str, max_new_tokens: int) -> GenerateRequest:
+    """Full prefill of plain ``text`` (no template), greedy, fixed length, nothing stored."""
+    return GenerateRequest(
+        prompt=text,
+        use_chat_template=False,
+        reuse="none",
+        store_prompt=False,
+        stop_at_eos=False,
+        max_new_tokens=max_new_tokens,
+    )
+
+
 @torch.inference_mode()
-def runtime_vs_hf(engine, ids: list[int], repeats: int, decode_tokens: int) -> dict[str, float]:
-    """Prefill and decode time of our runtime vs the HF model on the same ids (interleaved repeats)."""
-    model, runtime = engine.hf_model, engine.runtime
-    tensor = torch.tensor([ids])
+def runtime_vs_hf(engine, text: str, repeats: int, decode_tokens: int) -> dict[str, float]:
+    """Prefill and decode time of our engine's steps vs the HF model on the same ids (interleaved repeats)."""
+    model = engine.hf_model
+    request = _plain_request(text, decode_tokens)
+    tensor = torch.tensor([engine.layout(request).token_ids])
     ours_prefill, hf_prefill = [], []
     model(tensor[:, :64])  # warm-up
-    runtime.prefill(runtime.new_cache(64), ids[:64])
+    engine.prefill(_plain_request(text[:200], 1))
     for _ in range(repeats):
-        ours_prefill += _timed(lambda: runtime.prefill(runtime.new_cache(len(ids)), ids), 1)
+        ours_prefill.append(engine.prefill(request).ttft_s)
         hf_prefill += _timed(lambda: model(tensor), 1)
 
     def hf_decode() -> float:
@@ -73,12 +87,9 @@ def runtime_vs_hf(engine, ids: list[int], repeats: int, decode_tokens: int) -> d
         return (time.perf_counter() - start - first) / (decode_tokens - 1)
 
     def ours_decode() -> float:
-        cache = runtime.new_cache(len(ids) + decode_tokens)
-        token = int(runtime.prefill(cache, ids).argmax())
-        start = time.perf_counter()
-        for _ in range(decode_tokens - 1):
-            token = int(runtime.decode(cache, token).argmax())
-        return (time.perf_counter() - start) / (decode_tokens - 1)
+        seq = engine.prefill(request)
+        engine.decode(seq)
+        return seq.decode_s / (decode_tokens - 1)
 
     hf_dec, ours_dec = [], []
     for _ in range(max(1, repeats // 2)):
@@ -125,10 +136,10 @@ def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
     return rows
 
 
-def disk_throughput(engine, ids: list[int]) -> dict[str, float]:
-    """Write and read the KV of ``ids`` as 64-token entries through a fresh disk tier."""
-    cache = engine.runtime.new_cache(len(ids))
-    engine.runtime.prefill(cache, ids)
+def disk_throughput(engine, text: str) -> dict[str, float]:
+    """Write and read the KV of ``text`` as 64-token entries through a fresh disk tier."""
+    seq = engine.prefill(_plain_request(text, 1))
+    cache, ids = seq.cache, seq.layout.token_ids
     entries = []
     for start in range(0, len(ids) - 63, 64):
         k, v = cache.export(start, start + 64)
@@ -166,16 +177,17 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_args(args, store=StoreConfig(disk=False))
     tokenizer = engine.tokenizer
     document = haystack(tokenizer, args.context_tokens - 120, start_essay=3)
-    ids = tokenizer(haystack(tokenizer, args.context_tokens), add_special_tokens=False)["input_ids"]
+    text = haystack(tokenizer, args.context_tokens)
+    context_tokens = len(engine.layout(_plain_request(text, 1)))
     progress = tqdm(total=3, desc="bench prefix")
-    overhead = runtime_vs_hf(engine, ids, args.repeats, args.decode_tokens)
+    overhead = runtime_vs_hf(engine, text, args.repeats, args.decode_tokens)
     progress.update()
     reuse_rows = prefix_reuse(engine, document, args.repeats)
     progress.update()
-    storage = disk_throughput(engine, ids)
+    storage = disk_throughput(engine, text)
     progress.update()
     progress.close()
-    summary = {**overhead, **storage, "context_tokens": len(ids), "threads": torch.get_num_threads()}
+    summary = {**overhead, **storage, "context_tokens": context_tokens, "threads": torch.get_num_threads()}
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
     notes = "## Runtime vs HF and storage\n\n" + "\n".join(
         f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()

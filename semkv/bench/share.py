@@ -98,11 +98,11 @@ def method_options(method: str, base, num_layers: int) -> dict[str, Any]:
 def default_refusal(engine, prompt: str) -> str | None:
     """The reason the default share thresholds refuse ``prompt`` (None = they accept it)."""
     from semkv.request import GenerateRequest
-    from semkv.reuse import REUSE_PATHS, Refusal
 
-    request = GenerateRequest(prompt=prompt, reuse="share")
-    offer = REUSE_PATHS["share"].plan(engine.ctx, request, engine.layout(request))
-    return offer.reason if isinstance(offer, Refusal) else None
+    plan, refusals = engine.plan(GenerateRequest(prompt=prompt, reuse="share"))
+    if plan.path == "share":
+        return None
+    return next((r.reason for r in refusals if r.path == "share"), f"served by {plan.path} instead")
 
 
 def index_lookup_benchmark(
@@ -209,7 +209,7 @@ def _targets(args, tokenizer, papers: list[dict[str, Any]]) -> list[dict[str, An
 def run(args) -> int:
     from semkv.config import StoreConfig
     from semkv.engine import Engine
-    from semkv.reuse.share import ShareConfig
+    from semkv.reuse.options import ShareConfig
 
     if args.quick:
         args.papers, args.variant, args.edits, args.max_new_tokens = 1, "short", "0,30", 16
@@ -235,7 +235,7 @@ def run(args) -> int:
         refusal = default_refusal(engine, target["target"])
         full = None
         for method in methods:
-            options = method_options(method, base, engine.runtime.num_layers)
+            options = method_options(method, base, engine.num_layers)
             with PeakRSS() as mem:
                 g = engine.generate(
                     prompt=target["target"], max_new_tokens=args.max_new_tokens, store_prompt=False, **options

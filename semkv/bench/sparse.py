@@ -16,7 +16,6 @@ top-k and where the needle is.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import statistics
 import time
@@ -30,13 +29,8 @@ from tqdm import tqdm
 from semkv.bench.report import line_plot, median, write_results
 from semkv.evaluation.metrics import exact_match
 from semkv.evaluation.needles import TASKS, NeedleCase, answer_rows, make_cases, prompt_ids
-from semkv.sparse import (
-    SparseConfig,
-    SparseDecoder,
-    block_attention_mass,
-    capture_prefill_queries,
-    make_policy,
-)
+from semkv.request import GenerateRequest
+from semkv.sparse import SparseConfig, SparseDecoder, block_attention_mass, make_policy
 from semkv.sparse.keykey import KeyKeyPolicy
 
 log = logging.getLogger(__name__)
@@ -112,20 +106,30 @@ def _policy(label: str, options: dict[str, Any]):
     return KeyKeyPolicy(**options) if label.startswith("keykey-") else make_policy(label, **options)
 
 
-@torch.inference_mode()
-def decode_run(runtime, base_cache, first_token: int, steps: int, decoder: SparseDecoder | None) -> tuple:
-    """Greedy decode ``steps`` tokens after ``first_token`` from a copy of ``base_cache``."""
-    cache = copy.deepcopy(base_cache)
-    tokens, step_s, token = [first_token], [], first_token
+def decode_run(engine, base, steps: int, decoder: SparseDecoder | None) -> tuple:
+    """Greedy decode ``steps`` tokens from a fork of the prefilled sequence ``base`` (the same first
+    token for every policy); returns (tokens, per-step seconds, the fork's cache)."""
+    seq = engine.fork(base, sparse=decoder)
+    step_s = []
     for _ in range(steps):
         start = time.perf_counter()
-        logits = runtime.decode(cache, token, decoder)
+        engine.decode_step(seq)
         step_s.append(time.perf_counter() - start)
-        token = int(logits.argmax())
-        tokens.append(token)
     if decoder is not None:
         decoder.finish()
-    return tokens, step_s, cache
+    return list(seq.tokens), step_s, seq.cache
+
+
+def case_request(case: NeedleCase, max_new_tokens: int) -> GenerateRequest:
+    """The case's prompt as plain text (see ``semkv.evaluation.needles``), greedy, fixed length, not stored."""
+    return GenerateRequest(
+        prompt=case.prompt,
+        use_chat_template=False,
+        max_new_tokens=max_new_tokens,
+        stop_at_eos=False,
+        store_prompt=False,
+        reuse="none",
+    )
 
 
 def oracle_topk_per_step(decoder: SparseDecoder, cache, block_size: int, sink: int, window: int):
@@ -208,20 +212,16 @@ def heatmap(path: Path, run: Run, oracle: list, needle_blocks: set[int], title: 
 
 
 def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> tuple[list[Run], dict]:
-    runtime, tokenizer, bs = engine.runtime, engine.tokenizer, engine.config.block_size
+    tokenizer, bs = engine.tokenizer, engine.config.block_size
     ids = prompt_ids(tokenizer, case)
     steps = args.max_new_tokens - 1
-    base = runtime.new_cache(len(ids) + args.max_new_tokens + 1)
-    start = time.perf_counter()
-    with capture_prefill_queries(runtime, base) as captured:
-        logits = runtime.prefill(base, ids)
-    prefill_s = time.perf_counter() - start
-    first = int(logits.argmax())
+    base = engine.prefill(case_request(case, args.max_new_tokens + 1), capture_queries=True)
+    prefill_s = base.ttft_s
     rows = answer_rows(tokenizer, ids, case.answer)
     needle_blocks = {r // bs for r in rows}
     info = {"prompt_tokens": len(ids), "prefill_s": prefill_s, "needle_blocks": sorted(needle_blocks)}
     runs = []
-    dense_tokens, dense_steps, _ = decode_run(runtime, base, first, steps, None)
+    dense_tokens, dense_steps, _ = decode_run(engine, base, steps, None)
     runs.append(
         Run(
             "dense", None, dense_tokens, tokenizer.decode(dense_tokens, skip_special_tokens=True), dense_steps
@@ -230,12 +230,9 @@ def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> 
     sparse_cfg = SparseConfig(kv_budget=0.1)
     for label, budget, options in configs:
         decoder = SparseDecoder(
-            _policy(label, options),
-            SparseConfig(kv_budget=budget, record_queries=not args.no_overlap),
-            bs,
-            captured,
+            _policy(label, options), SparseConfig(kv_budget=budget, record_queries=not args.no_overlap), bs
         )
-        tokens, step_s, cache = decode_run(runtime, base, first, steps, decoder)
+        tokens, step_s, cache = decode_run(engine, base, steps, decoder)
         run = Run(
             label,
             budget,
@@ -373,31 +370,26 @@ def _plots(out: Path, name: str, rows: list[dict[str, Any]]) -> None:
                 )
 
 
-@torch.inference_mode()
 def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode dense and every policy in turn, one step each, rotating the order every step, so a
     machine whose load changes by the second slows all of them alike. Ratios are per step pair."""
-    runtime, bs = engine.runtime, engine.config.block_size
+    bs = engine.config.block_size
     ids = prompt_ids(engine.tokenizer, case)
-    base = runtime.new_cache(len(ids) + args.speed_steps + 2)
-    with capture_prefill_queries(runtime, base) as captured:
-        first = int(runtime.prefill(base, ids).argmax())
+    base = engine.prefill(case_request(case, args.speed_steps + 2), capture_queries=True)
     labels = ["dense", *args.speed_policies]
     decoders = {
         label: None
         if label == "dense"
-        else SparseDecoder(make_policy(label), SparseConfig(kv_budget=args.ablation_budget), bs, captured)
+        else SparseDecoder(make_policy(label), SparseConfig(kv_budget=args.ablation_budget), bs)
         for label in labels
     }
-    caches = {label: copy.deepcopy(base) for label in labels}
-    tokens = dict.fromkeys(labels, first)
+    seqs = {label: engine.fork(base, sparse=decoders[label]) for label in labels}
     times: dict[str, list[float]] = {label: [] for label in labels}
     for step in tqdm(range(args.speed_steps), desc=f"interleaved speed {len(ids)} tok", unit="step"):
         for label in labels[step % len(labels) :] + labels[: step % len(labels)]:
             start = time.perf_counter()
-            logits = runtime.decode(caches[label], tokens[label], decoders[label])
+            engine.decode_step(seqs[label])
             times[label].append(time.perf_counter() - start)
-            tokens[label] = int(logits.argmax())
     rows = []
     dense = times["dense"][1:]
     for label in labels:
@@ -417,7 +409,7 @@ def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> lis
                 "move_share": (sum(r.gather_s for r in steady) / sum(timed)) if steady else 0.0,
                 "prepare_s": stats.get("prepare_s", 0.0),
                 "resident_kv_MB": (stats.get("resident_kv_bytes") or 0) / 1e6,
-                "dense_kv_MB": base.nbytes() / 1e6,
+                "dense_kv_MB": base.cache.nbytes() / 1e6,
             }
         )
     return rows

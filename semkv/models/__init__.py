@@ -1,14 +1,15 @@
 """Model adapters, the layer-wise runtime and model loading."""
 
-from semkv.models.adapters import LlamaFamilyAdapter, adapter_for, supported_model_types
+from semkv.models.adapters import LlamaFamilyAdapter
 from semkv.models.cache import KVCache
 from semkv.models.loader import EMBEDDED, LoadedModel, load_model, model_fingerprint
-from semkv.models.runtime import KeySelector, RecomputeSelector, Runtime, attention
+from semkv.models.registry import adapter_for, supported_model_types
+from semkv.models.runtime import KeyGatherer, RecomputeSelector, Runtime, attention
 
 __all__ = [
     "EMBEDDED",
     "KVCache",
-    "KeySelector",
+    "KeyGatherer",
     "LlamaFamilyAdapter",
     "LoadedModel",
     "RecomputeSelector",

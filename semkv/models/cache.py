@@ -9,8 +9,13 @@ positions, never from row order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+# (layer, rotated queries [nh, A, d], their positions [A]) -> None; see Runtime.forward_rows.
+QueryObserver = Callable[[int, Tensor, Tensor], None]
 
 
 class KVCache:
@@ -39,6 +44,7 @@ class KVCache:
         self.v: list[Tensor] = []
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.token_ids: list[int] = []
+        self.query_observer: QueryObserver | None = None  # set while a prefill's queries are captured
         self.reserve(max(capacity, 1))
 
     # -- capacity ----------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from semkv.models.adapters import adapter_for
 from semkv.models.gemma3 import GEMMA3_PACKAGE, gemma3_gguf
+from semkv.models.registry import adapter_for
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,10 @@ class LoadedModel:
     model_type: str
 
 
-def load_model(model: str, home: Path, models_dir: Path | None = None) -> LoadedModel:
-    """Load an embedded model (converting it once) or a local checkpoint, float32, eval mode."""
+def load_model(
+    model: str, home: Path, models_dir: Path | None = None, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Load an embedded model (converting it once) or a local checkpoint, float32, eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_checkpoint(model, home, models_dir)
@@ -190,6 +192,6 @@ def load_model(model: str, home: Path, models_dir: Path | None = None) -> Loaded
     model_type = config.get("model_type", "<missing>")
     adapter_for(model_type)  # clear error before loading weights
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    hf_model.eval()
+    hf_model.to(torch.device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model, path, hf_model, tokenizer, hf_model.config.model_type)

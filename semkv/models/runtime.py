@@ -48,15 +48,6 @@ class RecomputeSelector(Protocol):
         ...
 
 
-class KeySelector(Protocol):
-    """Chooses, per layer of a decode step, which cache rows the new token attends to."""
-
-    def rows(self, layer: int, q_rot: Tensor, cache: KVCache) -> Tensor | None:
-        """q_rot: [nh, 1, d] rotated query of the step. Return row indices [R] (the new
-        token's own row need not be included; it always is) or None for all rows."""
-        ...
-
-
 class KeyGatherer(Protocol):
     """Supplies, per layer of a decode step, the keys to attend to (e.g. from a fast tier)."""
 
@@ -327,6 +318,8 @@ class Runtime:
         Without a selector every row is computed at every layer (plain prefill). With
         one, the rows are assumed pre-loaded with reused KV and the selector decides,
         per layer, which rows keep being recomputed. The last row must stay selected.
+        If the cache has a ``query_observer`` it is called at every layer with the rotated
+        queries [nh, A, d] of the rows computed there and their positions [A] (SnapKV/H2O capture).
         """
         a = self.adapter
         count = cache.length - start
@@ -342,6 +335,7 @@ class Runtime:
             and selector is None
             and bool((positions == torch.arange(count, device=self.device)).all())
         )
+        observer = cache.query_observer
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)
             rows = active + start
@@ -349,6 +343,8 @@ class Runtime:
             cos, sin = tables(layer)
             if active.numel() != count:
                 cos, sin = cos[active], sin[active]
+            if observer is not None:
+                observer(layer, apply_rope(q, cos, sin), q_pos)
             k_pre = k.to(self.kv_dtype)
             k_rot = apply_rope(k_pre.to(self.compute_dtype), cos, sin)
             if selector is None:
@@ -407,17 +403,13 @@ class Runtime:
         return self.forward_rows(cache, start)
 
     @torch.inference_mode()
-    def decode(
-        self, cache: KVCache, token_id: int, key_selector: KeySelector | KeyGatherer | None = None
-    ) -> Tensor:
+    def decode(self, cache: KVCache, token_id: int, gatherer: KeyGatherer | None = None) -> Tensor:
         """Append one token at the next position and return its logits [V].
 
-        With a ``key_selector`` each layer attends only to the rows it returns (plus
-        the new row itself); without one, to every row. A :class:`KeyGatherer` (it has
-        ``gather``) instead hands over the keys, values and positions to attend to.
+        Without a ``gatherer`` each layer attends to every row; with one (a sparse decoder), to the
+        keys, values and positions it hands over.
         """
         a = self.adapter
-        gather = getattr(key_selector, "gather", None)  # a KeyGatherer supplies the keys itself
         position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
         row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
         pos = cache.positions[row : row + 1]
@@ -432,15 +424,10 @@ class Runtime:
             )
             q_rot = apply_rope(q, cos, sin)
             keys, values, k_pos = cache.keys(layer), cache.values(layer), cache.valid_positions()
-            if gather is not None:
-                picked = gather(layer, q_rot, cache)
+            if gatherer is not None:
+                picked = gatherer.gather(layer, q_rot, cache)
                 if picked is not None:
                     keys, values, k_pos = picked
-            elif key_selector is not None:
-                chosen = key_selector.rows(layer, q_rot, cache)
-                if chosen is not None:
-                    chosen = torch.cat([chosen[chosen != row], chosen.new_tensor([row])])
-                    keys, values, k_pos = keys[:, chosen], values[:, chosen], k_pos[chosen]
             out = attention(q_rot, keys, values, pos, k_pos, a.scaling(layer), a.window(layer))
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)[0]

@@ -1,24 +1,6 @@
-"""Prefill paths. Importing this package registers every built-in path."""
+"""Prefill paths: full prefill, exact prefix reuse, CacheBlend (blend), SemShareKV (share).
 
-from semkv.reuse import blend, full, prefix, share  # noqa: F401  (registration)
-from semkv.reuse.base import (
-    POST_PREFILL_HOOKS,
-    REUSE_PATHS,
-    Plan,
-    PrefillContext,
-    PrefillOutcome,
-    Refusal,
-    ReusePath,
-    register_path,
-)
-
-__all__ = [
-    "POST_PREFILL_HOOKS",
-    "REUSE_PATHS",
-    "Plan",
-    "PrefillContext",
-    "PrefillOutcome",
-    "Refusal",
-    "ReusePath",
-    "register_path",
-]
+One module per path behind :class:`semkv.reuse.base.ReusePath`; the engine builds its own
+instances with :func:`semkv.reuse.registry.build_paths`. This package module imports nothing, so
+importing one path never loads the others.
+"""

@@ -2,13 +2,15 @@
 
 A path answers two questions for a request: ``plan`` — can I serve it, and how
 many prompt tokens would I reuse (or why not)? — and ``prefill`` — fill the live
-cache and return the last prompt token's logits. ``reuse="auto"`` asks every
-registered path for a plan and runs the one that reuses most.
+cache and return the last prompt token's logits. After the first token,
+``after_prefill`` may store what the prefill made reusable (chunks, the prompt
+for sharing). ``reuse="auto"`` asks every path for a plan and runs the one that
+reuses most (:class:`semkv.engine.Engine.plan`); the paths of an engine are built
+by :func:`semkv.reuse.registry.build_paths`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +19,7 @@ from torch import Tensor
 from semkv.models.cache import KVCache
 from semkv.models.runtime import Runtime
 from semkv.prompt import PromptLayout
-from semkv.request import GenerateRequest
+from semkv.reuse.options import ReuseOptions
 from semkv.store.store import KVStore
 
 
@@ -30,7 +32,6 @@ class PrefillContext:
     fingerprint: str
     block_size: int
     tokenizer: Any
-    settings: dict[str, Any] = field(default_factory=dict)  # engine-wide defaults (e.g. calibrated profile)
 
 
 @dataclass
@@ -62,18 +63,25 @@ class PrefillOutcome:
 
 
 class ReusePath(Protocol):
+    """One prefill path (full, prefix, blend, share)."""
+
     name: str
 
-    def plan(self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout) -> Plan | Refusal: ...
+    def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> Plan | Refusal:
+        """An offer for this request, or the reason this path cannot serve it."""
+        ...
 
-    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome: ...
+    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+        """Fill ``cache`` (empty) with the prompt's KV as planned; the last prompt token's logits."""
+        ...
 
-
-REUSE_PATHS: dict[str, ReusePath] = {}
-# Called after every prefill with (ctx, request, layout, cache, outcome): e.g. remember the prompt for sharing.
-POST_PREFILL_HOOKS: list[Callable[..., None]] = []
-
-
-def register_path(path: ReusePath) -> ReusePath:
-    REUSE_PATHS[path.name] = path
-    return path
+    def after_prefill(
+        self,
+        ctx: PrefillContext,
+        options: ReuseOptions,
+        layout: PromptLayout,
+        cache: KVCache,
+        outcome: PrefillOutcome,
+    ) -> None:
+        """Called after every request's first token, whichever path served it (store what is reusable)."""
+        ...

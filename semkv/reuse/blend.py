@@ -42,102 +42,22 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout, build_layout
-from semkv.request import GenerateRequest
-from semkv.reuse.base import (
-    POST_PREFILL_HOOKS,
-    Plan,
-    PrefillContext,
-    PrefillOutcome,
-    Refusal,
-    register_path,
-)
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
+from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
 from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
-from semkv.reuse.selective import DeviationOn, DeviationSelector
+from semkv.reuse.selective import DeviationSelector
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKey, EntryKind, chunk_key
 
 log = logging.getLogger(__name__)
-
-SinkMode = Literal["template", "bos", "none"]
-SINK_MODES: tuple[str, ...] = ("template", "bos", "none")
-
-
-@dataclass(frozen=True)
-class BlendConfig:
-    """How a blend recomputes.
-
-    recompute_ratio: fraction of the *cached* chunk tokens recomputed after the check layer
-        (uncached tokens are always recomputed). 0 = full reuse (naive concatenation of the
-        stored caches), 1 = every token recomputed (= full prefill).
-    check_layer: the layer whose KV deviation picks the tokens (layers before it recompute
-        every token; layer 0 always does). >= 1. Later costs more: TTFT speed-up 3.98x / 3.75x /
-        3.02x / 2.36x at layers 1 / 2 / 4 / 7 (2.2K tokens, ratio 0.15). First-token KL to full
-        prefill: 0.132 / 0.140 / 0.142 / 0.138 with BOS-sink chunks (10 questions, 4 chunks;
-        an earlier run with template-sink chunks, 6 questions, gave 0.25 / 0.20 / 0.11 / 0.04).
-    deviation_on: compare keys ("k", LMCache v1), values ("v", the paper's code) or both.
-        Measured at ratio 0.15 (KL to full): k 0.132, v 0.136, kv 0.133 (earlier 0.251 / 0.258 /
-        0.250 with template-sink chunks) — no difference; "k" is the default.
-    gradual: the paper's gradual filtering: keep 2r at the check layer, 1.5r at the next,
-        r from the one after (each step picks from the survivors by their new deviation).
-        Measured: KL 0.136 vs 0.132 (earlier 0.195 vs 0.251) at ~the same TTFT.
-    sink: how chunks are precomputed (see the module docstring): after BOS (default), after
-        the default chat-template prefix, or alone.
-    """
-
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    deviation_on: DeviationOn = "k"
-    gradual: bool = False
-    sink: SinkMode = "bos"
-
-    def __post_init__(self) -> None:
-        ratio = self.recompute_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
-        if (
-            isinstance(self.check_layer, bool)
-            or not isinstance(self.check_layer, int)
-            or self.check_layer < 1
-        ):
-            raise ValueError(f"check_layer must be an int >= 1, got {self.check_layer!r}")
-        if self.deviation_on not in ("k", "v", "kv"):
-            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
-        if self.sink not in SINK_MODES:
-            raise ValueError(f"sink must be one of {SINK_MODES}, got {self.sink!r}")
-
-    def schedule(self, num_layers: int) -> dict[int, float]:
-        """layer -> fraction of cached rows kept from that layer on (for :class:`DeviationSelector`)."""
-        r = float(self.recompute_ratio)
-        if r == 0.0:
-            # Nothing cached is recomputed anywhere: drop the cached rows at layer 0 (whose KV
-            # depends on the token alone), which is exactly a naive concatenation of the caches.
-            return {0: 0.0}
-        last = num_layers - 1
-        if not self.gradual:
-            return {min(self.check_layer, last): r}
-        steps = (min(1.0, 2 * r), min(1.0, 1.5 * r), r)
-        out: dict[int, float] = {}
-        for i, ratio in enumerate(steps):
-            out[min(self.check_layer + i, last)] = ratio
-        return out
-
-
-def resolve_config(ctx: PrefillContext, request: GenerateRequest) -> BlendConfig:
-    """The request's blend settings: ``request.blend`` or the engine default, ``recompute_ratio=`` on top."""
-    base = request.blend if request.blend is not None else ctx.settings.get("blend")
-    config = base if isinstance(base, BlendConfig) else BlendConfig()
-    if request.recompute_ratio is not None:
-        config = replace(config, recompute_ratio=float(request.recompute_ratio))
-    return config
-
 
 # -- chunks ---------------------------------------------------------------------------------------
 
@@ -257,10 +177,8 @@ class BlendPlan(Plan):
 class BlendReuse:
     name = "blend"
 
-    def plan(
-        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
-    ) -> BlendPlan | Refusal:
-        config = resolve_config(ctx, request)
+    def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> BlendPlan | Refusal:
+        config = options.blend
         spans = layout.chunk_spans()
         if not any(seg.token_ids for seg, _, _ in spans):
             return Refusal(self.name, "no context chunks")
@@ -278,7 +196,7 @@ class BlendReuse:
             if entry is not None:
                 loaded += end - max(start, prefix)
             misses += wanted and entry is None
-        if loaded == 0 and (request.reuse != self.name or misses == 0):
+        if loaded == 0 and (options.mode != self.name or misses == 0):
             # Under "auto" a blend without stored chunks reuses nothing; asked for explicitly, the
             # missing chunks are computed in place (exact) and stored after the first token.
             return Refusal(self.name, "no stored chunk beyond the exact prefix")
@@ -345,6 +263,27 @@ class BlendReuse:
             info=info,
         )
 
+    def after_prefill(
+        self,
+        ctx: PrefillContext,
+        options: ReuseOptions,
+        layout: PromptLayout,
+        cache: KVCache,
+        outcome: PrefillOutcome,
+    ) -> None:
+        """After a blend's first token: store the exact rows before the first blended row as prefix
+        blocks, and precompute + store the chunks that missed."""
+        if outcome.path != self.name:
+            return
+        exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
+        if exact_rows >= ctx.block_size:
+            store_prefix(ctx, cache, layout.token_ids[:exact_rows])
+        if outcome.info.get("chunk_misses"):
+            sink = sink_tokens(ctx, options.blend.sink)
+            for seg, _, _ in layout.chunk_spans():
+                if seg.token_ids and lookup_chunk(ctx, seg.token_ids, sink) is None:
+                    store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink))
+
 
 def _append_blank_rows(cache: KVCache, positions: torch.Tensor, token_ids: list[int]) -> None:
     """Append rows that hold no reused KV (zeros until the forward writes their fresh KV)."""
@@ -353,29 +292,3 @@ def _append_blank_rows(cache: KVCache, positions: torch.Tensor, token_ids: list[
     zeros = torch.zeros(cache.num_kv_heads, len(token_ids), cache.head_dim, device=cache.device)
     for layer in range(cache.num_layers):
         cache.write(layer, rows, zeros, zeros, zeros)
-
-
-def store_after_blend(
-    ctx: PrefillContext,
-    request: GenerateRequest,
-    layout: PromptLayout,
-    cache: KVCache,
-    outcome: PrefillOutcome,
-) -> None:
-    """Post-prefill hook (after the first token): store the exact rows before the first blended row as
-    prefix blocks, and precompute + store the chunks that missed."""
-    if outcome.path != BlendReuse.name:
-        return
-    exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
-    if exact_rows >= ctx.block_size:
-        store_prefix(ctx, cache, layout.token_ids[:exact_rows])
-    if outcome.info.get("chunk_misses"):
-        config = resolve_config(ctx, request)
-        sink = sink_tokens(ctx, config.sink)
-        for seg, _, _ in layout.chunk_spans():
-            if seg.token_ids and lookup_chunk(ctx, seg.token_ids, sink) is None:
-                store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink))
-
-
-register_path(BlendReuse())
-POST_PREFILL_HOOKS.append(store_after_blend)

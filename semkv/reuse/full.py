@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.request import GenerateRequest
-from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, register_path
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome
+from semkv.reuse.options import ReuseOptions
 
 
 class FullPrefill:
     name = "full"
 
-    def plan(self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout) -> Plan:
+    def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> Plan:
         return Plan(self.name, layout, reused_tokens=0)
 
     def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
@@ -21,5 +21,12 @@ class FullPrefill:
             logits, self.name, reused_tokens=0, recomputed_tokens=len(token_ids), exact=True
         )
 
-
-register_path(FullPrefill())
+    def after_prefill(
+        self,
+        ctx: PrefillContext,
+        options: ReuseOptions,
+        layout: PromptLayout,
+        cache: KVCache,
+        outcome: PrefillOutcome,
+    ) -> None:
+        """Nothing of its own: an exact prefill is stored as prefix blocks by the prefix path."""

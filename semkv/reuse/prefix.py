@@ -14,8 +14,8 @@ import torch
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.request import GenerateRequest
-from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, register_path
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
+from semkv.reuse.options import ReuseOptions
 from semkv.store.entry import KVEntry
 from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, prefix_block_keys, prefix_digests
 from semkv.store.store import KVStore
@@ -81,9 +81,7 @@ def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip
 class PrefixReuse:
     name = "prefix"
 
-    def plan(
-        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
-    ) -> PrefixPlan | Refusal:
+    def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> PrefixPlan | Refusal:
         token_ids = layout.token_ids
         blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids)
         reused = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
@@ -106,5 +104,14 @@ class PrefixReuse:
             info={"prefix_blocks": len(plan.blocks)},
         )
 
-
-register_path(PrefixReuse())
+    def after_prefill(
+        self,
+        ctx: PrefillContext,
+        options: ReuseOptions,
+        layout: PromptLayout,
+        cache: KVCache,
+        outcome: PrefillOutcome,
+    ) -> None:
+        """Store an exact prefill's full blocks as prefix blocks (any path whose outcome is exact)."""
+        if outcome.exact:
+            store_prefix(ctx, cache, layout.token_ids)

@@ -1,10 +1,11 @@
 """SemShareKV: serve a prompt from the KV cache of the most similar earlier prompt.
 
-Remember (a post-prefill hook): every exactly prefilled prompt of at least
+Remember (``after_prefill``): every exactly prefilled prompt of at least
 ``min_tokens`` tokens is stored as an ``EntryKind.PROMPT`` entry (pre-RoPE K/V of
 every token, its token SimHash signatures as the extra ``"lsh"``) and added to the
 reference index (:class:`semkv.reuse.lsh.PromptIndex`, MinHash + banded LSH over
-token bigrams, persisted under ``<home>/share_index/``).
+token bigrams, persisted under the folder the engine gives: ``<home>/share_index/<fingerprint>``).
+The index and the token hashers are state of one :class:`SharePath` instance, which one engine owns.
 
 Plan: find the most similar stored prompt in the index (refuse at once if none is
 similar enough: the plan is cheap when nothing similar exists), then match every
@@ -36,10 +37,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -47,15 +46,7 @@ from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.request import GenerateRequest
-from semkv.reuse.base import (
-    POST_PREFILL_HOOKS,
-    Plan,
-    PrefillContext,
-    PrefillOutcome,
-    Refusal,
-    register_path,
-)
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.lsh import (
     IndexConfig,
     PromptIndex,
@@ -65,7 +56,8 @@ from semkv.reuse.lsh import (
     pack_bits,
     unpack_bits,
 )
-from semkv.reuse.selective import DeviationOn, DeviationSelector
+from semkv.reuse.options import ReuseOptions, ShareConfig
+from semkv.reuse.selective import DeviationSelector
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, prompt_key
 
@@ -73,108 +65,6 @@ log = logging.getLogger(__name__)
 
 UNMATCHED, ALIGNED, SAME_TOKEN, SIGNATURE = 0, 1, 2, 3
 LSH_EXTRA = "lsh"
-
-
-@dataclass
-class ShareConfig:
-    """Options of the share path (``engine.generate(..., share=ShareConfig(...))``).
-
-    min_tokens: prompts shorter than this are neither remembered nor served by sharing.
-    min_similarity: the index's estimated Jaccard similarity (token bigram sets) a reference needs.
-    min_match_rate: share of the new prompt's tokens matched in aligned runs a reference needs. 0.6
-        is set from ``semkv bench share`` on SmolLM2 (2 papers, 3K-3.5K tokens): with the defaults,
-        quality held down to aligned rate 0.58 (first-token KL <= 0.034) but the speed-up fell to
-        1.9x there, so below 0.6 sharing is refused as not worth it.
-    min_token_similarity: bit agreement a signature match needs (step 3 of the matching).
-    min_aligned_after_prefix: aligned tokens needed after the leading run identical to the reference;
-        fewer means exact prefix reuse does (nearly) as well, exactly, and share is refused.
-    anchor: length of the n-gram anchors that start an aligned run.
-    schedule: "exponential" (ratio first_ratio * decay^(layer-1), floored at min_ratio) or
-        "constant" (constant_ratio at every layer). Ratios are fractions of the reused rows
-        recomputed from layer 1 on; layer 0 is always recomputed fully.
-    deviation_on: which fresh-vs-reused deviation ranks the rows ("k", "v" or "kv").
-    unmatched: "recompute" (SemShareKV) or "drop" (the paper's elimination baseline).
-    scattered: what to do with tokens matched outside an aligned run (same id elsewhere, or by
-        signature): "reuse" their matched KV like the paper (and let the deviation check pick them),
-        or "recompute" them like unmatched tokens (their reused KV comes from another context). The
-        default recomputes: on SmolLM2 reusing them cost far more quality (first-token KL 0.3 vs
-        0.001 on a 3.5K-token paper with 10% of sentences edited) than recomputing them costs time.
-    recompute_last: the prompt's last tokens (the generation prompt) are always recomputed: an aligned
-        match there (the chat template's closing tokens) reuses KV computed after other text, and the
-        next-token distribution depends on these tokens most.
-    candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
-    simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
-    """
-
-    min_tokens: int = 64
-    min_similarity: float = 0.2
-    min_match_rate: float = 0.6
-    min_token_similarity: float = 0.8
-    min_aligned_after_prefix: int = 32
-    anchor: int = 4
-    schedule: Literal["exponential", "constant"] = "exponential"
-    first_ratio: float = 0.2
-    decay: float = 0.8
-    min_ratio: float = 0.02
-    constant_ratio: float = 0.04
-    deviation_on: DeviationOn = "kv"
-    unmatched: Literal["recompute", "drop"] = "recompute"
-    scattered: Literal["reuse", "recompute"] = "recompute"
-    recompute_last: int = 16
-    candidates: int = 3
-    simhash: SimHashConfig = field(default_factory=SimHashConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.simhash, dict):
-            self.simhash = SimHashConfig(**self.simhash)
-        if self.min_tokens < 2:
-            raise ValueError(f"min_tokens must be >= 2, got {self.min_tokens}")
-        for name in ("min_similarity", "min_match_rate", "min_token_similarity", "first_ratio"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("min_ratio", "constant_ratio"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.schedule not in ("exponential", "constant"):
-            raise ValueError(f"schedule must be 'exponential' or 'constant', got {self.schedule!r}")
-        if self.unmatched not in ("recompute", "drop"):
-            raise ValueError(f"unmatched must be 'recompute' or 'drop', got {self.unmatched!r}")
-        if self.scattered not in ("reuse", "recompute"):
-            raise ValueError(f"scattered must be 'reuse' or 'recompute', got {self.scattered!r}")
-        if self.deviation_on not in ("k", "v", "kv"):
-            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
-        if self.min_aligned_after_prefix < 0:
-            raise ValueError(f"min_aligned_after_prefix must be >= 0, got {self.min_aligned_after_prefix}")
-        if self.recompute_last < 1:
-            raise ValueError(
-                f"recompute_last must be >= 1 (the last token is always computed), got {self.recompute_last}"
-            )
-        if self.anchor < 1 or self.candidates < 1:
-            raise ValueError("anchor and candidates must be >= 1")
-
-    def ratios(self, num_layers: int) -> dict[int, float]:
-        """layer -> recompute ratio for layers 1..num_layers-1 (non-increasing)."""
-        if self.schedule == "constant":
-            return {layer: self.constant_ratio for layer in range(1, num_layers)}
-        return {
-            layer: max(self.min_ratio, self.first_ratio * self.decay ** (layer - 1))
-            for layer in range(1, num_layers)
-        }
-
-    def mean_recompute(self, num_layers: int) -> float:
-        """Expected share of reused-row layer passes recomputed (layer 0 counts fully)."""
-        return (1.0 + sum(self.ratios(num_layers).values())) / num_layers
-
-
-def share_config_of(request: GenerateRequest, settings: dict | None = None) -> ShareConfig:
-    """The request's ShareConfig, else the engine's calibrated default (``ctx.settings``), else the defaults."""
-    config = getattr(request, "share", None)
-    if isinstance(config, ShareConfig):
-        return config
-    default = (settings or {}).get("share")
-    return default if isinstance(default, ShareConfig) else ShareConfig()
 
 
 # -- matching (pure functions over token ids and signature bits) ------------------------------------
@@ -324,94 +214,6 @@ def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
     return out
 
 
-# -- per-engine state: token hasher and reference index --------------------------------------------
-_HASHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def token_hasher(ctx: PrefillContext, config: SimHashConfig) -> TokenHasher:
-    """The hasher of ``config`` for this runtime (embedding centre = the vocabulary mean)."""
-    per_runtime = _HASHERS.setdefault(ctx.runtime, {})
-    key = tuple(sorted(asdict(config).items()))
-    if key not in per_runtime:
-        adapter = ctx.runtime.adapter
-        with torch.inference_mode():
-            center = (
-                adapter.embed(torch.arange(adapter.vocab_size, device=ctx.runtime.device)).float().mean(0)
-            )
-        per_runtime[key] = TokenHasher(config, adapter.hidden_size, center.cpu())
-    return per_runtime[key]
-
-
-def token_bits(ctx: PrefillContext, config: SimHashConfig, token_ids: list[int]) -> Tensor:
-    """Signature bits bool [T, tables * bits] of ``token_ids`` at positions 0..T-1."""
-    hasher = token_hasher(ctx, config)
-    ids = torch.tensor(token_ids, dtype=torch.long, device=ctx.runtime.device)
-    with torch.inference_mode():
-        emb = ctx.runtime.adapter.embed(ids).float().cpu()
-    return hasher.bits(emb, torch.arange(len(token_ids)))
-
-
-def index_folder(ctx: PrefillContext) -> Path | None:
-    """``<home>/share_index/<fingerprint[:16]>`` when the store has a disk tier, else None."""
-    disk = ctx.store.tier("disk")
-    root = getattr(disk, "root", None)
-    if root is None:
-        return None
-    return Path(root).parent / "share_index" / ctx.fingerprint[:16]
-
-
-def share_index(ctx: PrefillContext) -> PromptIndex:
-    """The reference index of this context's store (created, or loaded from disk, on first use)."""
-    index = _INDEXES.get(ctx.store)
-    if index is None:
-        config = ctx.settings.get("share_index")
-        index = PromptIndex(config if isinstance(config, IndexConfig) else IndexConfig(), index_folder(ctx))
-        _INDEXES[ctx.store] = index
-    return index
-
-
-# -- remembering prompts ----------------------------------------------------------------------------
-def remember_prompt(
-    ctx: PrefillContext,
-    request: GenerateRequest,
-    layout: PromptLayout,
-    cache: KVCache,
-    outcome: PrefillOutcome,
-) -> None:
-    """POST_PREFILL_HOOK: store an exactly prefilled prompt's KV + token signatures; index it."""
-    config = share_config_of(request, ctx.settings)
-    token_ids = layout.token_ids
-    if not outcome.exact or len(token_ids) < config.min_tokens:
-        return
-    key = prompt_key(ctx.fingerprint, token_ids)
-    index = share_index(ctx)
-    if not ctx.store.held_by_all(key):
-        k, v = cache.export(0, len(token_ids))
-        bits = token_bits(ctx, config.simhash, token_ids)
-        entry = KVEntry(
-            key,
-            EntryKind.PROMPT,
-            ctx.fingerprint,
-            list(token_ids),
-            k,
-            v,
-            extras={LSH_EXTRA: pack_bits(bits, config.simhash.bits)},
-            meta={"simhash": asdict(config.simhash)},
-        )
-        ctx.store.put(entry)
-    if key not in index:
-        index.add(key, token_ids)
-
-
-def reference_bits(ctx: PrefillContext, config: SimHashConfig, entry: KVEntry) -> Tensor:
-    """The reference's signature bits: stored ones when hashed with ``config``, else re-hashed."""
-    stored = entry.extras.get(LSH_EXTRA)
-    if stored is not None and entry.meta.get("simhash") == asdict(config):
-        return unpack_bits(stored, config.bits)
-    return token_bits(ctx, config, entry.token_ids)
-
-
 # -- the path ------------------------------------------------------------------------------------------
 @dataclass
 class SharePlan(Plan):
@@ -424,16 +226,84 @@ class SharePlan(Plan):
 
 
 class SharePath:
+    """The share path of one engine: it owns the reference index and the token hashers.
+
+    index_folder: where the reference index persists (None: in memory only).
+    index_config: the index's MinHash / banding settings.
+    """
+
     name = "share"
 
-    def plan(
-        self, ctx: PrefillContext, request: GenerateRequest, layout: PromptLayout
-    ) -> SharePlan | Refusal:
-        config = share_config_of(request, ctx.settings)
+    def __init__(self, index_folder: Path | None = None, index_config: IndexConfig | None = None) -> None:
+        self.index = PromptIndex(index_config or IndexConfig(), index_folder)
+        self._hashers: dict[tuple, TokenHasher] = {}
+
+    # -- token signatures ---------------------------------------------------------------------------
+    def token_hasher(self, ctx: PrefillContext, config: SimHashConfig) -> TokenHasher:
+        """The hasher of ``config`` (embedding centre = the vocabulary mean), built once per config."""
+        key = tuple(sorted(asdict(config).items()))
+        if key not in self._hashers:
+            adapter = ctx.runtime.adapter
+            with torch.inference_mode():
+                ids = torch.arange(adapter.vocab_size, device=ctx.runtime.device)
+                center = adapter.embed(ids).float().mean(0)
+            self._hashers[key] = TokenHasher(config, adapter.hidden_size, center.cpu())
+        return self._hashers[key]
+
+    def token_bits(self, ctx: PrefillContext, config: SimHashConfig, token_ids: list[int]) -> Tensor:
+        """Signature bits bool [T, tables * bits] of ``token_ids`` at positions 0..T-1."""
+        hasher = self.token_hasher(ctx, config)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=ctx.runtime.device)
+        with torch.inference_mode():
+            emb = ctx.runtime.adapter.embed(ids).float().cpu()
+        return hasher.bits(emb, torch.arange(len(token_ids)))
+
+    def reference_bits(self, ctx: PrefillContext, config: SimHashConfig, entry: KVEntry) -> Tensor:
+        """The reference's signature bits: stored ones when hashed with ``config``, else re-hashed."""
+        stored = entry.extras.get(LSH_EXTRA)
+        if stored is not None and entry.meta.get("simhash") == asdict(config):
+            return unpack_bits(stored, config.bits)
+        return self.token_bits(ctx, config, entry.token_ids)
+
+    # -- remembering prompts ------------------------------------------------------------------------
+    def after_prefill(
+        self,
+        ctx: PrefillContext,
+        options: ReuseOptions,
+        layout: PromptLayout,
+        cache: KVCache,
+        outcome: PrefillOutcome,
+    ) -> None:
+        """Store an exactly prefilled prompt's KV + token signatures as a PROMPT entry and index it."""
+        config = options.share
+        token_ids = layout.token_ids
+        if not outcome.exact or len(token_ids) < config.min_tokens:
+            return
+        key = prompt_key(ctx.fingerprint, token_ids)
+        if not ctx.store.held_by_all(key):
+            k, v = cache.export(0, len(token_ids))
+            bits = self.token_bits(ctx, config.simhash, token_ids)
+            entry = KVEntry(
+                key,
+                EntryKind.PROMPT,
+                ctx.fingerprint,
+                list(token_ids),
+                k,
+                v,
+                extras={LSH_EXTRA: pack_bits(bits, config.simhash.bits)},
+                meta={"simhash": asdict(config.simhash)},
+            )
+            ctx.store.put(entry)
+        if key not in self.index:
+            self.index.add(key, token_ids)
+
+    # -- the path -----------------------------------------------------------------------------------
+    def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> SharePlan | Refusal:
+        config = options.share
         token_ids = layout.token_ids
         if len(token_ids) < config.min_tokens:
             return Refusal(self.name, f"prompt of {len(token_ids)} tokens < min_tokens {config.min_tokens}")
-        index = share_index(ctx)
+        index = self.index
         if len(index) == 0:
             return Refusal(self.name, "no stored prompt to share from")
         start = time.perf_counter()
@@ -459,8 +329,8 @@ class SharePath:
         if reference is None:
             return Refusal(self.name, "the similar stored prompts are no longer in the store")
         start = time.perf_counter()
-        new_bits = token_bits(ctx, config.simhash, token_ids)
-        ref_bits = reference_bits(ctx, config.simhash, reference)
+        new_bits = self.token_bits(ctx, config.simhash, token_ids)
+        ref_bits = self.reference_bits(ctx, config.simhash, reference)
         match = match_tokens(
             token_ids, reference.token_ids, new_bits, ref_bits, config.anchor, config.min_token_similarity
         )
@@ -567,7 +437,3 @@ class SharePath:
             exact=exact,
             info=info,
         )
-
-
-register_path(SharePath())
-POST_PREFILL_HOOKS.append(remember_prompt)

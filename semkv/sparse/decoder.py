@@ -40,6 +40,8 @@ class SparseConfig:
     record_queries: keep each step's per-layer query (for oracle overlap, measured afterwards).
     dense_when_covered: a budget covering every candidate attends to the cache directly (exact);
         False still goes through the fast tier (tests use it to check the gather path).
+    dense_layers: layers that attend to every row (no selection), e.g. sliding-window layers whose
+        window already bounds their cost (``semkv calibrate --window-variant`` measures this).
     """
 
     kv_budget: float | int = 0.1
@@ -48,6 +50,7 @@ class SparseConfig:
     resident_factor: float = 2.0
     record_queries: bool = False
     dense_when_covered: bool = True
+    dense_layers: tuple[int, ...] = ()
     budget: Budget = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,9 @@ class SparseConfig:
             raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
         if self.resident_factor < 1.0:
             raise ValueError(f"resident_factor must be >= 1, got {self.resident_factor}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.dense_layers):
+            raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers!r}")
+        self.dense_layers = tuple(self.dense_layers)
 
 
 class SparseDecoder:
@@ -121,7 +127,7 @@ class SparseDecoder:
         if self.config.record_queries:
             self._step_state["queries"].append(q_rot[:, 0].detach().clone())
         state = self._step_state
-        if state["dense"]:
+        if state["dense"] or layer in self.config.dense_layers:
             return None
         assert self.tier is not None
         record = state["record"]

@@ -29,16 +29,16 @@ class H2OPolicy(SparsePolicy):
         return True
 
     def prepare(self, view: StepView) -> None:
-        if view.prefill is None or not view.prefill.q or view.prefill.positions is None:
+        if view.prefill is None or not view.prefill.q:
             raise ValueError("h2o needs the prompt's queries captured at prefill")
         nb = view.index.num_complete
-        positions = view.prefill.positions
         bs = view.index.block_size
         self._acc = []
         for layer in range(view.cache.num_layers):
             keys = view.cache.keys(layer)[:, : nb * bs]  # [kvh, T, d]
             kvh, d = keys.shape[0], keys.shape[-1]
             q = view.prefill.q[layer]  # [nh, n, d]
+            positions = view.prefill.positions[layer]  # [n]
             q = q.reshape(kvh, -1, q.shape[1], d)  # [kvh, g, n, d]
             logits = q @ keys.transpose(1, 2).unsqueeze(1) / math.sqrt(d)  # [kvh, g, n, T]
             visible = torch.arange(keys.shape[1]).unsqueeze(0) <= positions.unsqueeze(1)  # [n, T]

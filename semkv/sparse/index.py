@@ -12,7 +12,7 @@
 
 :class:`PrefillQueries` holds rotated queries of a few prompt tokens per layer
 (the last ``window`` tokens plus every ``stride``-th token from the end), captured
-with forward hooks on the query projections while the prompt is prefilled.
+through the cache's query observer while the prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
-from semkv.models.runtime import Runtime
 
 
 class BlockIndex:
@@ -100,19 +99,26 @@ class BlockIndex:
 
 @dataclass
 class PrefillQueries:
-    """Rotated queries of some prompt tokens, per layer.
+    """Rotated queries of some prompt tokens, per layer, as the runtime computed them.
 
-    q: layer -> [nh, n, d] rotated queries; positions: [n] their absolute positions
-    (ascending); window: how many of them (the last ones) are the observation window.
+    q: layer -> [nh, n_l, d] rotated queries (after every norm the family applies, e.g. Gemma 3's
+    q_norm); positions: layer -> [n_l] their absolute positions (ascending). Full and prefix prefill
+    capture the same rows at every layer; a selective recompute (blend, share) computes fewer rows
+    at later layers, so a layer holds the captured rows it computed. window: how many of them (the
+    last ones) are the observation window.
     """
 
     q: dict[int, Tensor] = field(default_factory=dict)
-    positions: Tensor | None = None
+    positions: dict[int, Tensor] = field(default_factory=dict)
     window: int = 0
 
     def window_queries(self, layer: int) -> Tensor:
         """[nh, window, d] the last ``window`` prompt tokens' queries (SnapKV's observation window)."""
         return self.q[layer][:, -self.window :]
+
+    def last_position(self) -> int:
+        """The largest captured prompt position (the prompt's last token)."""
+        return max(int(p[-1]) for p in self.positions.values())
 
 
 def captured_offsets(total: int, window: int, stride: int) -> Tensor:
@@ -123,44 +129,26 @@ def captured_offsets(total: int, window: int, stride: int) -> Tensor:
 
 
 @contextlib.contextmanager
-def capture_prefill_queries(
-    runtime: Runtime, cache: KVCache, window: int = 32, stride: int = 64
-) -> Iterator[PrefillQueries]:
-    """Record queries of the rows computed by the prefills inside the ``with`` block.
+def capture_prefill_queries(cache: KVCache, window: int = 32, stride: int = 64) -> Iterator[PrefillQueries]:
+    """Record the queries of the prefills run on ``cache`` inside the ``with`` block.
 
-    Hooks the query projection of every layer; the rows of the *last* forward at each
-    layer are taken to be the cache's last rows (true for full and prefix prefill).
-    The captured queries are rotated to their positions when the block exits.
+    Through the cache's ``query_observer`` (:meth:`semkv.models.runtime.Runtime.forward_rows`): at every
+    layer the rotated queries of the computed rows, as the runtime used them. Of each layer's rows the
+    last ``window`` and every ``stride``-th from the end are kept; a later prefill replaces an earlier
+    one's rows.
     """
-    adapter = runtime.adapter
-    raw: dict[int, Tensor] = {}
-    counts: dict[int, int] = {}
-
-    def hook(layer: int):
-        def record(_module, _inputs, output: Tensor) -> None:
-            offsets = captured_offsets(output.shape[0], window, stride)
-            raw[layer] = output[offsets].detach().clone()
-            counts[layer] = output.shape[0]
-
-        return record
-
-    handles = [
-        adapter.layers[layer].self_attn.q_proj.register_forward_hook(hook(layer))
-        for layer in range(adapter.num_layers)
-    ]
     result = PrefillQueries(window=window)
+
+    def record(layer: int, q_rot: Tensor, positions: Tensor) -> None:
+        offsets = captured_offsets(positions.shape[0], window, stride)
+        result.q[layer] = q_rot[:, offsets].detach().clone()
+        result.positions[layer] = positions[offsets].clone()
+
+    previous = cache.query_observer
+    cache.query_observer = record
     try:
         yield result
     finally:
-        for handle in handles:
-            handle.remove()
-    if not raw:
-        return
-    total = counts[0]
-    offsets = captured_offsets(total, window, stride)
-    positions = cache.positions[cache.length - total + offsets]
-    result.positions = positions
-    result.window = min(window, total)
-    for layer, q in raw.items():
-        q = q.view(q.shape[0], adapter.num_heads, adapter.head_dim).transpose(0, 1)
-        result.q[layer] = runtime.rope(q, positions, layer)
+        cache.query_observer = previous
+    if result.positions:
+        result.window = min(window, min(p.shape[0] for p in result.positions.values()))

@@ -31,7 +31,7 @@ class SnapKVPolicy(SparsePolicy):
         if view.prefill is None or not view.prefill.q:
             raise ValueError("snapkv needs the prompt's queries captured at prefill")
         nb = view.index.num_complete
-        rows = int(view.prefill.positions[-1]) + 1 if view.prefill.positions is not None else 0
+        rows = view.prefill.last_position() + 1
         self._mass = [
             block_attention_mass(
                 view.prefill.window_queries(layer),

@@ -89,3 +89,21 @@ def test_suffix_queries_match_reference(reused):
     torch.testing.assert_close(
         attention(q, k, v, q_pos, k_pos, 0.25), reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("num_queries", [2 * SPLIT_QUERY_ROWS, 5 * SPLIT_QUERY_ROWS + 7])
+def test_generic_path_without_the_cpu_kernel(num_queries, monkeypatch):
+    """On a device without the CPU flash kernel (GPU, or a torch build lacking it) attention takes the
+    generic SDPA path: same result on scattered and suffix queries."""
+    import semkv.models.runtime as runtime
+
+    q, k, v, q_pos, k_pos = _case(3, 700, num_queries)
+    scaling = 1 / math.sqrt(16)
+    fused = attention(q, k, v, q_pos, k_pos, scaling)
+    tail = torch.arange(700 - num_queries, 700)
+    fused_suffix = attention(q, k, v, tail, k_pos, scaling)
+    monkeypatch.setattr(runtime, "_FLASH_CPU", None)
+    assert not runtime._splittable(q, k, q_pos, k_pos, None)
+    torch.testing.assert_close(attention(q, k, v, q_pos, k_pos, scaling), fused, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, tail, k_pos, scaling), fused_suffix, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, reference(q, k, v, q_pos, k_pos, scaling), atol=1e-5, rtol=1e-5)

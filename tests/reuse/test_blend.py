@@ -14,7 +14,7 @@ from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation.metrics import logit_kl
 from semkv.request import GenerateRequest
-from semkv.reuse.blend import BlendConfig
+from semkv.reuse.options import BlendConfig
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES, tiny_hf_model
 

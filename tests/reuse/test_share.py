@@ -11,18 +11,16 @@ import torch
 from semkv.evaluation.essays import haystack
 from semkv.models.adapters import apply_rope
 from semkv.request import GenerateRequest
-from semkv.reuse import REUSE_PATHS
+from semkv.reuse.options import ShareConfig
 from semkv.reuse.share import (
     ALIGNED,
     SAME_TOKEN,
     SIGNATURE,
     UNMATCHED,
-    ShareConfig,
     align_runs,
     gather_rows,
     match_signatures,
     match_tokens,
-    share_index,
 )
 from semkv.store.keys import EntryKind, prompt_key
 from tests.conftest import tiny_hf_model
@@ -173,14 +171,17 @@ def test_identical_prompt_equals_exact_hit(make_tiny_engine, doc):
     torch.testing.assert_close(shared.first_logits, exact.first_logits, atol=1e-5, rtol=1e-5)
 
 
-def test_unrelated_prompt_is_refused_and_fully_prefilled(make_tiny_engine, doc, tokenizer):
+def test_unrelated_prompt_is_refused_and_exactly_prefilled(make_tiny_engine, doc, tokenizer):
+    """Share refuses an unrelated prompt; the request is served exactly (the template's stored prefix
+    blocks, exact reuse being always allowed, and full prefill for the rest) and says why."""
     engine = make_tiny_engine("llama")
     engine.generate(prompt="Summarise the following text.\n\n" + doc, max_new_tokens=1)
     other = "Translate into French.\n\n" + haystack(tokenizer, 160, start_essay=30)
     full = engine.generate(prompt=other, max_new_tokens=3, reuse="none", store_prompt=False)
     got = engine.generate(prompt=other, max_new_tokens=3, reuse="share", store_prompt=False)
-    assert got.stats["path"] == "full"
+    assert got.stats["path"] == "prefix" and got.stats["reused_tokens"] < 32  # the template only
     assert "no similar stored prompt" in got.stats["refused"]["share"]
+    assert "outdone by an exact prefix hit" in got.stats["fallback"]
     torch.testing.assert_close(got.first_logits, full.first_logits, atol=1e-5, rtol=1e-5)
 
 
@@ -194,11 +195,9 @@ def test_rearranged_kv_lands_at_new_positions(engine4, doc):
     engine.generate(prompt=reference, max_new_tokens=1)
     config = ShareConfig(first_ratio=0.0, min_ratio=0.0, scattered="reuse", recompute_last=1)
     request = GenerateRequest(prompt=moved, max_new_tokens=1, reuse="share", share=config)
-    layout = engine.layout(request)
-    plan = REUSE_PATHS["share"].plan(engine.ctx, request, layout)
-    assert plan.path == "share", plan
-    cache = engine.runtime.new_cache(len(layout) + 1)
-    outcome = REUSE_PATHS["share"].prefill(engine.ctx, plan, cache)
+    seq = engine.prefill(request)
+    layout, plan, cache, outcome = seq.layout, seq.plan, seq.cache, seq.outcome
+    assert plan.path == "share", seq.refusals
     assert not outcome.exact
     ref_entry = plan.reference
     source = torch.from_numpy(plan.match.source)
@@ -257,7 +256,7 @@ def test_prompts_are_remembered_with_signatures_and_survive_a_restart(make_tiny_
     engine.generate(prompt="Hi there", max_new_tokens=1)  # below min_tokens: not remembered
     reference, target = _paraphrase(doc)
     engine.generate(prompt=reference, max_new_tokens=1)
-    index = share_index(engine.ctx)
+    index = engine.paths["share"].index
     assert len(index) == 1
     ids = _ids(engine, reference)
     entry = engine.store.get(prompt_key(engine.fingerprint, ids), ids, EntryKind.PROMPT)
@@ -285,9 +284,9 @@ def test_reference_gone_from_store_is_dropped_from_index(make_tiny_engine, doc):
     key = prompt_key(engine.fingerprint, _ids(engine, reference))
     engine.store.delete(key)
     got = engine.generate(prompt=target, max_new_tokens=1, reuse="share", store_prompt=False)
-    assert got.stats["path"] == "full"
+    assert got.stats["path"] == "prefix" and got.stats["reused_tokens"] < 32  # the template's blocks only
     assert "no longer in the store" in got.stats["refused"]["share"]
-    assert key not in share_index(engine.ctx)
+    assert key not in engine.paths["share"].index
 
 
 def test_scattered_matches_can_be_forced_into_recompute(engine4, doc):

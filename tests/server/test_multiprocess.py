@@ -12,7 +12,7 @@ import concurrent.futures
 
 import httpx
 
-from semkv.reuse import REUSE_PATHS
+from semkv.reuse.registry import REUSE_MODES
 
 TINY = "tiny"
 DOCS = [
@@ -33,7 +33,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_two_servers_share_one_redis(redis_server, tiny_checkpoint, serve_process, tmp_path):
-    assert "blend" in REUSE_PATHS
+    assert "blend" in REUSE_MODES
     args = ("--redis", redis_server.url, "--redis-timeout", "0.5")
     a = serve_process(tiny_checkpoint, tmp_path / "home-a", *args)
     b = serve_process(tiny_checkpoint, tmp_path / "home-b", *args)

@@ -21,7 +21,7 @@ STEPS = 10
 def _decode(runtime, ids, decoder=None):
     cache = runtime.new_cache(len(ids) + STEPS + 1)
     if decoder is not None:
-        with capture_prefill_queries(runtime, cache, window=8, stride=16) as captured:
+        with capture_prefill_queries(cache, window=8, stride=16) as captured:
             logits = runtime.prefill(cache, ids)
         decoder.prefill = captured
     else:

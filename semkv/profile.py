@@ -1,0 +1,193 @@
+"""Per-model defaults: the calibrated profile on disk and the typed defaults the engine applies.
+
+``semkv calibrate`` measures, per model fingerprint, the smallest blend recompute ratio, share
+ratio and sparse budget whose agreement with full prefill / dense decoding reaches a target, and
+writes them as a **profile** ``<home>/profiles/<fingerprint>.json``. The engine loads the profile of
+its fingerprint at start (:func:`load_profile`), turns it into :class:`EngineDefaults`
+(:func:`defaults_from_profile`): the values used for every knob a request leaves unset, and
+:func:`check_request` logs a warning when a request asks for less than the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest
+from semkv.reuse.options import BlendConfig, ReuseOptions, ShareConfig
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+PROFILE_DIR = "profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A calibrated profile as read from disk.
+
+    fingerprint: the model fingerprint it was measured on; target: the agreement it was chosen at.
+    blend_recompute_ratio / share_ratio: the chosen ratios (None: not measured).
+    kv_budget: sparse policy -> chosen budget. path: the file it came from.
+    data: the whole JSON document (measurements included).
+    """
+
+    fingerprint: str
+    target: float
+    blend_recompute_ratio: float | None = None
+    share_ratio: float | None = None
+    kv_budget: dict[str, float] = field(default_factory=dict)
+    path: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], path: str = "") -> Profile:
+        defaults = data.get("defaults", {})
+        ratio = defaults.get("blend_recompute_ratio")
+        share = defaults.get("share_ratio")
+        return cls(
+            fingerprint=str(data["fingerprint"]),
+            target=float(data.get("target", 0.0)),
+            blend_recompute_ratio=None if ratio is None else float(ratio),
+            share_ratio=None if share is None else float(share),
+            kv_budget={
+                str(k): float(v) for k, v in (defaults.get("kv_budget") or {}).items() if v is not None
+            },
+            path=path,
+            data=data,
+        )
+
+
+def share_config_at(ratio: float) -> ShareConfig:
+    """The share path's default config with its exponential schedule starting at ``ratio``."""
+    base = ShareConfig()
+    return ShareConfig(first_ratio=ratio, min_ratio=min(base.min_ratio, ratio))
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """What the engine uses for a knob a request leaves unset.
+
+    blend / share: the configs of requests that give none (``recompute_ratio=`` still applies on top).
+    kv_budget: sparse policy -> budget; a policy not listed gets ``DEFAULT_KV_BUDGET``.
+    profile: the calibrated profile these came from, or None for the built-in defaults.
+    """
+
+    blend: BlendConfig = field(default_factory=BlendConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)
+    kv_budget: dict[str, float | int] = field(default_factory=dict)
+    profile: Profile | None = None
+
+    def reuse_options(self, request: GenerateRequest) -> ReuseOptions:
+        """The request's reuse mode and configs: its own where given, else these defaults."""
+        blend = request.blend if request.blend is not None else self.blend
+        if request.recompute_ratio is not None:
+            blend = replace(blend, recompute_ratio=float(request.recompute_ratio))
+        share = request.share if request.share is not None else self.share
+        return ReuseOptions(mode=request.reuse, blend=blend, share=share)
+
+    def kv_budget_for(self, request: GenerateRequest) -> float | int:
+        """The request's kv_budget, else the calibrated budget of its sparse policy, else the default."""
+        if request.kv_budget is not None:
+            return request.kv_budget
+        policy = getattr(request.sparse, "name", request.sparse)
+        return self.kv_budget.get(policy, DEFAULT_KV_BUDGET) if isinstance(policy, str) else DEFAULT_KV_BUDGET
+
+
+def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
+    """The engine defaults a profile implies (the built-in ones for what it does not set)."""
+    if profile is None:
+        return EngineDefaults()
+    blend = BlendConfig()
+    if profile.blend_recompute_ratio is not None:
+        blend = BlendConfig(recompute_ratio=profile.blend_recompute_ratio)
+    share = share_config_at(profile.share_ratio) if profile.share_ratio is not None else ShareConfig()
+    return EngineDefaults(blend=blend, share=share, kv_budget=dict(profile.kv_budget), profile=profile)
+
+
+# -- profile files ------------------------------------------------------------------------------------
+
+
+def profile_path(home: Path, fingerprint: str) -> Path:
+    return Path(home) / PROFILE_DIR / f"{fingerprint}.json"
+
+
+def load_profile(home: Path, fingerprint: str) -> Profile | None:
+    """The profile of ``fingerprint`` under ``home``, or None (missing, unreadable or another version)."""
+    path = profile_path(home, fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable calibration profile %s: %s", path, exc)
+        return None
+    if (
+        not isinstance(data, dict)
+        or data.get("version") != PROFILE_VERSION
+        or data.get("fingerprint") != fingerprint
+    ):
+        log.warning("ignoring calibration profile %s: other version or fingerprint", path)
+        return None
+    try:
+        return Profile.from_json(data, str(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("ignoring malformed calibration profile %s: %s", path, exc)
+        return None
+
+
+def write_profile(home: Path, data: dict[str, Any]) -> Path:
+    """Write a profile document atomically (temp file + rename); returns its path."""
+    path = profile_path(home, data["fingerprint"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{time.time_ns()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+# -- warnings ------------------------------------------------------------------------------------------
+
+
+def _share_ratio(config: ShareConfig) -> float:
+    return float(config.constant_ratio if config.schedule == "constant" else config.first_ratio)
+
+
+def check_request(defaults: EngineDefaults, request: GenerateRequest) -> list[str]:
+    """Warn (logging) for every knob ``request`` sets below the calibrated profile; return the messages."""
+    profile = defaults.profile
+    if profile is None:
+        return []
+    messages = []
+    ratio = request.recompute_ratio
+    if ratio is None and request.blend is not None:
+        ratio = request.blend.recompute_ratio
+    blend_min = profile.blend_recompute_ratio
+    if (
+        blend_min is not None
+        and ratio is not None
+        and request.reuse in ("blend", "auto")
+        and ratio < blend_min
+    ):
+        messages.append(
+            f"recompute_ratio {ratio} is below this model's calibrated {blend_min} "
+            f"(top-1 agreement with full prefill < {profile.target})"
+        )
+    share_min = profile.share_ratio
+    if share_min is not None and request.share is not None and request.reuse in ("share", "auto"):
+        if _share_ratio(request.share) < share_min:
+            messages.append(
+                f"share recompute ratio {_share_ratio(request.share)} is below this model's calibrated {share_min}"
+            )
+    policy = getattr(request.sparse, "name", request.sparse)
+    budget = request.kv_budget
+    floor = profile.kv_budget.get(policy) if isinstance(policy, str) else None
+    if floor is not None and isinstance(budget, float) and budget < floor:
+        messages.append(f"kv_budget {budget} for sparse={policy!r} is below this model's calibrated {floor}")
+    for message in messages:
+        log.warning("%s (profile %s)", message, profile.path or profile.fingerprint[:12])
+    return messages

@@ -1,0 +1,189 @@
+"""The options of the reuse paths, as typed dataclasses that import no request, engine or path.
+
+:class:`BlendConfig` (CacheBlend) and :class:`ShareConfig` (SemShareKV) are what a user passes per
+request (``engine.generate(blend=..., share=...)``) or what calibration puts in the engine's defaults;
+:class:`ReuseOptions` is one request's resolved choice that the paths read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from semkv.reuse.lsh import SimHashConfig
+from semkv.reuse.selective import DeviationOn
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` as a float in [0, 1]; a ValueError naming ``name`` otherwise (bools are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+SinkMode = Literal["template", "bos", "none"]
+SINK_MODES: tuple[str, ...] = ("template", "bos", "none")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How a blend recomputes.
+
+    recompute_ratio: fraction of the *cached* chunk tokens recomputed after the check layer
+        (uncached tokens are always recomputed). 0 = full reuse (naive concatenation of the
+        stored caches), 1 = every token recomputed (= full prefill).
+    check_layer: the layer whose KV deviation picks the tokens (layers before it recompute
+        every token; layer 0 always does). >= 1. Later costs more: TTFT speed-up 3.98x / 3.75x /
+        3.02x / 2.36x at layers 1 / 2 / 4 / 7 (2.2K tokens, ratio 0.15). First-token KL to full
+        prefill: 0.132 / 0.140 / 0.142 / 0.138 with BOS-sink chunks (10 questions, 4 chunks;
+        an earlier run with template-sink chunks, 6 questions, gave 0.25 / 0.20 / 0.11 / 0.04).
+    deviation_on: compare keys ("k", LMCache v1), values ("v", the paper's code) or both.
+        Measured at ratio 0.15 (KL to full): k 0.132, v 0.136, kv 0.133 (earlier 0.251 / 0.258 /
+        0.250 with template-sink chunks) — no difference; "k" is the default.
+    gradual: the paper's gradual filtering: keep 2r at the check layer, 1.5r at the next,
+        r from the one after (each step picks from the survivors by their new deviation).
+        Measured: KL 0.136 vs 0.132 (earlier 0.195 vs 0.251) at ~the same TTFT.
+    sink: how chunks are precomputed (see the module docstring): after BOS (default), after
+        the default chat-template prefix, or alone.
+    """
+
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    deviation_on: DeviationOn = "k"
+    gradual: bool = False
+    sink: SinkMode = "bos"
+
+    def __post_init__(self) -> None:
+        check_fraction("recompute_ratio", self.recompute_ratio)
+        if (
+            isinstance(self.check_layer, bool)
+            or not isinstance(self.check_layer, int)
+            or self.check_layer < 1
+        ):
+            raise ValueError(f"check_layer must be an int >= 1, got {self.check_layer!r}")
+        if self.deviation_on not in ("k", "v", "kv"):
+            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+        if self.sink not in SINK_MODES:
+            raise ValueError(f"sink must be one of {SINK_MODES}, got {self.sink!r}")
+
+    def schedule(self, num_layers: int) -> dict[int, float]:
+        """layer -> fraction of cached rows kept from that layer on (for :class:`DeviationSelector`)."""
+        r = float(self.recompute_ratio)
+        if r == 0.0:
+            # Nothing cached is recomputed anywhere: drop the cached rows at layer 0 (whose KV
+            # depends on the token alone), which is exactly a naive concatenation of the caches.
+            return {0: 0.0}
+        last = num_layers - 1
+        if not self.gradual:
+            return {min(self.check_layer, last): r}
+        steps = (min(1.0, 2 * r), min(1.0, 1.5 * r), r)
+        out: dict[int, float] = {}
+        for i, ratio in enumerate(steps):
+            out[min(self.check_layer + i, last)] = ratio
+        return out
+
+
+@dataclass
+class ShareConfig:
+    """Options of the share path (``engine.generate(..., share=ShareConfig(...))``).
+
+    min_tokens: prompts shorter than this are neither remembered nor served by sharing.
+    min_similarity: the index's estimated Jaccard similarity (token bigram sets) a reference needs.
+    min_match_rate: share of the new prompt's tokens matched in aligned runs a reference needs. 0.6
+        is set from ``semkv bench share`` on SmolLM2 (2 papers, 3K-3.5K tokens): with the defaults,
+        quality held down to aligned rate 0.58 (first-token KL <= 0.034) but the speed-up fell to
+        1.9x there, so below 0.6 sharing is refused as not worth it.
+    min_token_similarity: bit agreement a signature match needs (step 3 of the matching).
+    min_aligned_after_prefix: aligned tokens needed after the leading run identical to the reference;
+        fewer means exact prefix reuse does (nearly) as well, exactly, and share is refused.
+    anchor: length of the n-gram anchors that start an aligned run.
+    schedule: "exponential" (ratio first_ratio * decay^(layer-1), floored at min_ratio) or
+        "constant" (constant_ratio at every layer). Ratios are fractions of the reused rows
+        recomputed from layer 1 on; layer 0 is always recomputed fully.
+    deviation_on: which fresh-vs-reused deviation ranks the rows ("k", "v" or "kv").
+    unmatched: "recompute" (SemShareKV) or "drop" (the paper's elimination baseline).
+    scattered: what to do with tokens matched outside an aligned run (same id elsewhere, or by
+        signature): "reuse" their matched KV like the paper (and let the deviation check pick them),
+        or "recompute" them like unmatched tokens (their reused KV comes from another context). The
+        default recomputes: on SmolLM2 reusing them cost far more quality (first-token KL 0.3 vs
+        0.001 on a 3.5K-token paper with 10% of sentences edited) than recomputing them costs time.
+    recompute_last: the prompt's last tokens (the generation prompt) are always recomputed: an aligned
+        match there (the chat template's closing tokens) reuses KV computed after other text, and the
+        next-token distribution depends on these tokens most.
+    candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
+    simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
+    """
+
+    min_tokens: int = 64
+    min_similarity: float = 0.2
+    min_match_rate: float = 0.6
+    min_token_similarity: float = 0.8
+    min_aligned_after_prefix: int = 32
+    anchor: int = 4
+    schedule: Literal["exponential", "constant"] = "exponential"
+    first_ratio: float = 0.2
+    decay: float = 0.8
+    min_ratio: float = 0.02
+    constant_ratio: float = 0.04
+    deviation_on: DeviationOn = "kv"
+    unmatched: Literal["recompute", "drop"] = "recompute"
+    scattered: Literal["reuse", "recompute"] = "recompute"
+    recompute_last: int = 16
+    candidates: int = 3
+    simhash: SimHashConfig = field(default_factory=SimHashConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.simhash, dict):
+            self.simhash = SimHashConfig(**self.simhash)
+        if self.min_tokens < 2:
+            raise ValueError(f"min_tokens must be >= 2, got {self.min_tokens}")
+        for name in ("min_similarity", "min_match_rate", "min_token_similarity", "first_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("min_ratio", "constant_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.schedule not in ("exponential", "constant"):
+            raise ValueError(f"schedule must be 'exponential' or 'constant', got {self.schedule!r}")
+        if self.unmatched not in ("recompute", "drop"):
+            raise ValueError(f"unmatched must be 'recompute' or 'drop', got {self.unmatched!r}")
+        if self.scattered not in ("reuse", "recompute"):
+            raise ValueError(f"scattered must be 'reuse' or 'recompute', got {self.scattered!r}")
+        if self.deviation_on not in ("k", "v", "kv"):
+            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+        if self.min_aligned_after_prefix < 0:
+            raise ValueError(f"min_aligned_after_prefix must be >= 0, got {self.min_aligned_after_prefix}")
+        if self.recompute_last < 1:
+            raise ValueError(
+                f"recompute_last must be >= 1 (the last token is always computed), got {self.recompute_last}"
+            )
+        if self.anchor < 1 or self.candidates < 1:
+            raise ValueError("anchor and candidates must be >= 1")
+
+    def ratios(self, num_layers: int) -> dict[int, float]:
+        """layer -> recompute ratio for layers 1..num_layers-1 (non-increasing)."""
+        if self.schedule == "constant":
+            return {layer: self.constant_ratio for layer in range(1, num_layers)}
+        return {
+            layer: max(self.min_ratio, self.first_ratio * self.decay ** (layer - 1))
+            for layer in range(1, num_layers)
+        }
+
+    def mean_recompute(self, num_layers: int) -> float:
+        """Expected share of reused-row layer passes recomputed (layer 0 counts fully)."""
+        return (1.0 + sum(self.ratios(num_layers).values())) / num_layers
+
+
+@dataclass(frozen=True)
+class ReuseOptions:
+    """One request's reuse choice with the engine's defaults applied (what the paths read).
+
+    mode: "auto", "none" or a path name (the request's ``reuse``).
+    blend / share: the configs the blend and share paths use for this request.
+    """
+
+    mode: str = "auto"
+    blend: BlendConfig = field(default_factory=BlendConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)

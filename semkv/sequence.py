@@ -1,0 +1,146 @@
+"""One request in flight: its live KV cache and the tokens it has produced so far.
+
+:meth:`semkv.engine.Engine.prefill` makes a :class:`Sequence` (layout, chosen plan, filled cache,
+first token sampled); :meth:`~semkv.engine.Engine.decode_step` / :meth:`~semkv.engine.Engine.decode`
+advance it; :meth:`~semkv.engine.Engine.store_prefill` keeps what its prefill made reusable;
+:meth:`~semkv.engine.Engine.finish` turns it into a :class:`~semkv.request.Generation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from semkv.models.cache import KVCache
+from semkv.prompt import PromptLayout
+from semkv.request import GenerateRequest
+from semkv.reuse.base import Plan, PrefillOutcome, Refusal
+from semkv.reuse.options import ReuseOptions
+from semkv.sparse.decoder import SparseDecoder
+from semkv.sparse.index import PrefillQueries
+
+TokenCallback = Callable[[int], bool | None]  # a kept token id; returning False stops the generation
+
+
+def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Greedy at temperature 0, else temperature + nucleus sampling. logits: [V]."""
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+@dataclass
+class Sequence:
+    """A prefilled request and its generation so far.
+
+    tokens: every token sampled (or fed, under teacher forcing) so far; ``tokens[-1]`` is the next
+        one to feed (not yet in the cache). The cache holds the prompt + ``tokens[:-1]``.
+    outcome: what the prefill did (path, reused/recomputed tokens, first-token logits [V]).
+    sparse: the request's sparse decoder, or None for dense decoding.
+    prefill_queries: queries captured at prefill (when asked for), so a fork can run SnapKV / H2O.
+    emitted: how many of ``tokens`` were handed to a streaming callback.
+    """
+
+    request: GenerateRequest
+    options: ReuseOptions
+    layout: PromptLayout
+    plan: Plan
+    refusals: list[Refusal]
+    outcome: PrefillOutcome
+    cache: KVCache
+    sparse: SparseDecoder | None
+    generator: torch.Generator
+    eos_ids: frozenset[int]
+    kv_budget: float | int
+    tokens: list[int] = field(default_factory=list)
+    prefill_queries: PrefillQueries | None = None
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    store_s: float = 0.0
+    stored: bool = False
+    emitted: int = 0
+    stop_requested: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    # -- state -----------------------------------------------------------------------------------
+    @property
+    def first_logits(self) -> Tensor:
+        """float32 logits [V] of the first generated token."""
+        return self.outcome.logits
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.layout)
+
+    def ends_with_eos(self) -> bool:
+        return self.request.stop_at_eos and bool(self.tokens) and self.tokens[-1] in self.eos_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while running; else "stop" (a callback asked), "eos" or "length"."""
+        if self.stop_requested:
+            return "stop"
+        if self.ends_with_eos():
+            return "eos"
+        if len(self.tokens) >= self.request.max_new_tokens:
+            return "length"
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output_ids(self) -> list[int]:
+        """The generated tokens a user sees: without a final EOS."""
+        return self.tokens[:-1] if self.ends_with_eos() else list(self.tokens)
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def emit_pending(self, on_token: TokenCallback | None) -> None:
+        """Hand the tokens not yet emitted to ``on_token`` (a final EOS is not handed over); a callback
+        returning False stops the sequence there."""
+        if on_token is None:
+            self.emitted = len(self.tokens)
+            return
+        while self.emitted < len(self.tokens) and not self.stop_requested:
+            token = self.tokens[self.emitted]
+            self.emitted += 1
+            if self.request.stop_at_eos and token in self.eos_ids:
+                break
+            if on_token(token) is False:
+                self.stop_requested = True
+
+    def sample(self, logits: Tensor) -> int:
+        """Sample the next token from ``logits`` [V] with the request's settings and append it."""
+        token = sample_token(logits, self.request.temperature, self.request.top_p, self.generator)
+        self.tokens.append(token)
+        return token
+
+    # -- result ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The figures ``Generation.stats`` reports (timings, token counts, the path and why)."""
+        generated = self.output_ids()
+        return {
+            "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s,
+            "decode_ms_per_token": 1000 * self.decode_s / max(1, len(generated) - 1),
+            "store_s": self.store_s,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(generated),
+            "reused_tokens": self.outcome.reused_tokens,
+            "recomputed_tokens": self.outcome.recomputed_tokens,
+            "path": self.outcome.path,
+            "refused": {r.path: r.reason for r in self.refusals},
+            "finish_reason": self.finish_reason,
+            **self.notes,
+            **self.outcome.info,
+            **(self.sparse.stats(self.decode_s) if self.sparse is not None else {}),
+        }

@@ -1,0 +1,42 @@
+"""The sparse decode policies by name. A new policy is one module plus one line here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from semkv.sparse.base import Budget, SparsePolicy
+from semkv.sparse.dense import DensePolicy
+from semkv.sparse.h2o import H2OPolicy
+from semkv.sparse.keykey import HybridPolicy, KeyKeyPolicy
+from semkv.sparse.oracle import OraclePolicy
+from semkv.sparse.quest import QuestPolicy
+from semkv.sparse.snapkv import SnapKVPolicy
+from semkv.sparse.streaming import StreamingPolicy
+
+POLICIES: dict[str, type[SparsePolicy]] = {
+    cls.name: cls
+    for cls in (
+        DensePolicy,
+        KeyKeyPolicy,
+        HybridPolicy,
+        OraclePolicy,
+        QuestPolicy,
+        StreamingPolicy,
+        H2OPolicy,
+        SnapKVPolicy,
+    )
+}
+
+
+def make_policy(name: str, **options: Any) -> SparsePolicy:
+    """A policy from the registry by name; ``options`` are its dataclass fields."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown sparse policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](**options)
+
+
+def validate_sparse(policy: str | None, kv_budget: float | int) -> None:
+    """Raise ValueError for an unknown policy name or a bad budget."""
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"unknown sparse policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    Budget(kv_budget)
