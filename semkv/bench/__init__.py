@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# One benchmark at a time per machine: timings of two suites running at once mean nothing.
+# One benchmark at a time per machine: timings of two suites running at once mean nothing. Other CPU-heavy
+# work (test runs) may hold the lock shared; a benchmark waiting for it holds the turnstile, which shared
+# holders pass through first (`flock TURNSTILE true; flock -s LOCK cmd`), so a benchmark is not starved.
 LOCK_PATH = Path(os.environ.get("SEMKV_BENCH_LOCK", Path(tempfile.gettempdir()) / "semkv-bench.lock"))
+TURNSTILE_PATH = LOCK_PATH.with_suffix(".turnstile")
 
 SUITES: dict[str, str] = {
     "prefix": "semkv.bench.prefix",
@@ -51,18 +54,21 @@ def exclusive(run: Callable) -> Callable:
     def locked(args) -> int:
         if getattr(args, "no_lock", False):
             return run(args)
-        with open(LOCK_PATH, "a") as lock:
+        with open(LOCK_PATH, "a") as lock, open(TURNSTILE_PATH, "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)  # new shared holders wait from now on
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 print(
-                    f"waiting for another semkv benchmark on this machine to finish (lock {LOCK_PATH})",
+                    f"waiting for other semkv work on this machine to finish (lock {LOCK_PATH})",
                     file=sys.stderr,
                     flush=True,
                 )
                 start = time.monotonic()
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 print(f"lock acquired after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
             try:
                 return run(args)
             finally:
