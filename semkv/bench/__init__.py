@@ -42,18 +42,40 @@ def add_bench_parsers(parser, add_engine_args: Callable) -> None:
         p.add_argument("--out", default="results", help="folder for JSON, Markdown and PNG results")
         module.add_arguments(p)
         p.add_argument(
+            "--lock",
+            choices=("exclusive", "shared"),
+            default="exclusive",
+            help="exclusive (default): run alone, timings valid; shared: a quality-only run beside other "
+            "non-timing work (tests), its timings are not valid and not to be reported",
+        )
+        p.add_argument(
             "--no-lock", action="store_true", help="don't wait for other benchmarks on this machine"
         )
         p.set_defaults(bench_run=exclusive(module.run))
 
 
 def exclusive(run: Callable) -> Callable:
-    """Wrap a suite's ``run`` so it holds the machine-wide benchmark lock while it runs."""
+    """Wrap a suite's ``run`` so it holds the machine-wide benchmark lock while it runs: exclusively (the
+    default: timings are valid), or shared with ``--lock shared`` (a quality-only run)."""
 
     @functools.wraps(run)
     def locked(args) -> int:
         if getattr(args, "no_lock", False):
             return run(args)
+        if getattr(args, "lock", "exclusive") == "shared":
+            print(
+                "--lock shared: this run's timings are not valid (other work may run beside it)",
+                file=sys.stderr,
+            )
+            with open(TURNSTILE_PATH, "a") as turnstile:
+                fcntl.flock(turnstile, fcntl.LOCK_EX)  # let a waiting benchmark go first
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            with open(LOCK_PATH, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                try:
+                    return run(args)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
         with open(LOCK_PATH, "a") as lock, open(TURNSTILE_PATH, "a") as turnstile:
             fcntl.flock(turnstile, fcntl.LOCK_EX)  # new shared holders wait from now on
             try:
