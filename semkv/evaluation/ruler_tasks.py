@@ -104,7 +104,7 @@ def _random_value(kind: NeedleType, rng: random.Random) -> str:
     raise ValueError(f"needle type must be words, numbers or uuids, got {kind!r}")
 
 
-def _fresh_values(
+def draw_unique(
     kind: NeedleType, count: int, rng: random.Random, taken: set[str], haystack: str = ""
 ) -> list[str]:
     """``count`` values not in ``taken`` (updated) and not occurring in ``haystack``."""
@@ -179,8 +179,8 @@ class NiahTask(RulerTask):
         num_keys = max(self.num_keys, self.num_queries)
         forbid = essay_text() if self.haystack == "essay" else NOISE
         taken: set[str] = set()
-        keys = _fresh_values(self.key_type, num_keys, rng, taken, forbid)
-        values = [_fresh_values(self.value_type, self.num_values, rng, taken, forbid) for _ in keys]
+        keys = draw_unique(self.key_type, num_keys, rng, taken, forbid)
+        values = [draw_unique(self.value_type, self.num_values, rng, taken, forbid) for _ in keys]
         needles = [(k, v) for k, vs in zip(keys, values, strict=True) for v in vs]
         rng.shuffle(needles)
         asked = rng.sample(range(num_keys), self.num_queries)
@@ -200,8 +200,8 @@ class NiahTask(RulerTask):
         distractors: list[str] = []
         high = min(len(essay_words()), 2 * length) if self.haystack == "essay" else length // 8
         if self.haystack == "needle":
-            d_keys = _fresh_values(self.key_type, high, rng, taken)
-            d_values = _fresh_values(self.value_type, high, rng, taken)
+            d_keys = draw_unique(self.key_type, high, rng, taken)
+            d_values = draw_unique(self.value_type, high, rng, taken)
             distractors = [
                 NEEDLE.format(types=plural, key=k, value=v) for k, v in zip(d_keys, d_values, strict=True)
             ]

@@ -37,6 +37,7 @@ from semkv.evaluation.ruler_tasks import (
     NiahTask,
     QaTask,
     VariableTrackingTask,
+    draw_unique,
     split_sentences,
     zeta,
 )
@@ -249,3 +250,19 @@ def test_bad_input_names_the_field(tokenizer):
         make_case(tokenizer, "vt", 4096, split="train")
     with pytest.raises(ValueError, match="num_values"):
         NiahTask("essay", "words", "numbers", num_values=0)
+
+
+def test_drawn_values_skip_taken_ones_and_those_in_the_haystack():
+    import random
+
+    first_two = draw_unique("numbers", 2, random.Random(0), set())
+    again = draw_unique("numbers", 2, random.Random(0), {first_two[0]}, haystack=f"... {first_two[1]} ...")
+    assert first_two[0] not in again and first_two[1] not in again
+    taken: set[str] = set()
+    keys = draw_unique("words", 300, random.Random(1), taken)
+    assert len(set(keys)) == 300 and taken == set(keys)
+    assert all(re.fullmatch(r"[a-z]+-[a-z]+", k) for k in keys)
+    assert all(
+        re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", u)
+        for u in draw_unique("uuids", 20, random.Random(2), set())
+    )
