@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from semkv.evaluation.corpora import Split
-from semkv.evaluation.ruler_tasks import TASK_NAMES, TASKS, FrequentWordsTask, Metric, strictly_decreasing
+from semkv.evaluation.ruler_tasks import TASK_NAMES, TASKS, Metric
 from semkv.prompt import build_layout
 
 __all__ = [
@@ -257,10 +257,6 @@ def _make_case(tokenizer, task, length, seed, index, split, rendering, size_hint
     if n == sizer.high:
         log.warning("%s at %d tokens: the haystack hit its maximum size %d", task, length, n)
     d = sizer.draft(n)
-    if isinstance(spec, FrequentWordsTask):
-        top = spec.counts(n, 5)
-        if not strictly_decreasing(top[1:]):
-            raise ValueError(f"length {length} is too short for fwe: the top counts {top} tie")
     case = RulerCase(
         task=task,
         length=length,

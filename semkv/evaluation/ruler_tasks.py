@@ -10,6 +10,7 @@ sentences are split by a regex (:func:`split_sentences`), so nothing is download
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import re
 import string
@@ -405,10 +406,6 @@ FWE_PREFIX = " Answer: According to the coded text above, the three most frequen
 FWE_WORD_LETTERS = 6
 
 
-def strictly_decreasing(values: Sequence[int]) -> bool:
-    return all(a > b for a, b in zip(values, values[1:], strict=False))
-
-
 @lru_cache(maxsize=8)
 def zeta(alpha: float, terms: int = 1000) -> float:
     """Riemann zeta(alpha) for alpha > 1 (partial sum + Euler-Maclaurin tail; error < 1e-9 for alpha >= 1.5)."""
@@ -446,7 +443,8 @@ class FrequentWordsTask(RulerTask):
         rng.shuffle(ranked)
         ranked[0] = "..."
         shuffle_seed = rng.random()
-        low = next(t for t in range(8, 10**6) if strictly_decreasing(self.counts(t, 5)[1:]))
+        # from this many words on, ranks 2..5 have strictly decreasing counts (the answer is unambiguous)
+        low = math.ceil(zeta(self.alpha) / min(k**-self.alpha - (k + 1) ** -self.alpha for k in (2, 3, 4)))
 
         def draft(n: int) -> Draft:
             words = [w for w, c in zip(ranked, self.counts(n, size), strict=True) for _ in range(c)]
