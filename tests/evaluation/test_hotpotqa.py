@@ -1,0 +1,107 @@
+"""HotpotQA RAG cases and HotpotQA's answer scoring.
+
+Injected: real HotpotQA dev questions (test split), the SmolLM2 tokenizer. Must happen: a case holds
+each of its paragraphs once, rendered identically in every case (so chunk KV can be reused), the
+supporting paragraphs at seeded positions; padding brings the prompt to just under the target as the
+chat layout counts it; the same seed gives the same cases; the rendered conversation is the layout's
+text; EM/F1 match hand-computed values, including HotpotQA's yes/no/noanswer rule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from semkv.evaluation.corpora import hotpot_split
+from semkv.evaluation.hotpotqa import (
+    RAG_INSTRUCTION,
+    RagBuilder,
+    RagConfig,
+    build_rag_cases,
+    hotpot_score,
+    paragraph_text,
+    rag_layout,
+)
+from semkv.evaluation.metrics import normalize_answer
+from semkv.prompt import CHUNK_SEPARATOR
+
+
+@pytest.fixture(scope="module")
+def items():
+    return hotpot_split("test")[:40]
+
+
+def test_a_case_holds_its_paragraphs_once_with_the_gold_ones_at_seeded_positions(items):
+    cases = build_rag_cases(items, RagConfig(seed=3))
+    for item, case in zip(items, cases, strict=True):
+        assert sorted(case.chunks) == sorted({paragraph_text(p) for p in item.paragraphs})
+        assert case.padding == 0
+        gold_titles = {case.chunks[i].split("\n", 1)[0].removeprefix("Title: ") for i in case.gold}
+        assert gold_titles == item.gold_titles
+        answer = normalize_answer(item.answer)
+        if answer not in ("yes", "no"):
+            assert answer in normalize_answer(" ".join(case.chunks[i] for i in case.gold))
+    firsts = Counter(case.gold[0] for case in cases)
+    assert len(firsts) >= 4  # gold paragraphs are not always in the same slot
+    assert [c.chunks for c in build_rag_cases(items, RagConfig(seed=3))] == [c.chunks for c in cases]
+    assert [c.chunks for c in build_rag_cases(items, RagConfig(seed=4))] != [c.chunks for c in cases]
+
+
+@pytest.mark.parametrize("target", [2048, 4096])
+def test_padding_reaches_just_under_the_target_as_the_layout_counts_it(items, tokenizer, target):
+    cases = build_rag_cases(items[:12], RagConfig(target_tokens=target, seed=0), tokenizer)
+    for item, case in zip(items[:12], cases, strict=True):
+        layout = rag_layout(tokenizer, case)
+        assert case.prompt_tokens == len(layout)
+        assert target - 64 <= case.prompt_tokens <= target
+        titles = [c.split("\n", 1)[0] for c in case.chunks]
+        assert len(titles) == len(set(titles))  # no title twice: padding never repeats a paragraph
+        assert {case.chunks[i] for i in case.gold} == {
+            paragraph_text(p) for p in item.paragraphs if p.title in item.gold_titles
+        }
+        assert [s.text for s, _, _ in layout.chunk_spans()] == list(case.chunks)
+    # padding comes from a fixed pool, so the same padding paragraph recurs across questions
+    shared = Counter(c for case in cases for c in set(case.chunks))
+    assert max(shared.values()) >= 2
+
+
+def test_inline_messages_are_the_layout_text(items):
+    case = build_rag_cases(items[:1])[0]
+    system, user = case.inline_messages()
+    assert system == {"role": "system", "content": RAG_INSTRUCTION}
+    assert (
+        user["content"] == CHUNK_SEPARATOR.join(case.chunks) + CHUNK_SEPARATOR + f"Question: {case.question}"
+    )
+    assert case.messages()[-1]["content"] == f"Question: {case.question}"
+
+
+def test_bad_config_names_the_field(tokenizer):
+    with pytest.raises(ValueError, match="target_tokens"):
+        RagConfig(target_tokens=0)
+    with pytest.raises(ValueError, match="padding_pool"):
+        RagConfig(padding_pool=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        RagBuilder(RagConfig(target_tokens=2048))
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answer", "em", "f1", "precision", "recall"),
+    [
+        ("The Eiffel Tower.", "eiffel tower", 1, 1, 1, 1),
+        ("Paris France", "Paris", 0, 2 / 3, 0.5, 1),
+        ("Yes", "yes", 1, 1, 1, 1),
+        ("no", "yes", 0, 0, 0, 0),
+        ("yes, he was", "yes", 0, 0, 0, 0),  # gold is yes/no and the prediction is not exactly it
+        ("no", "no idea", 0, 0, 0, 0),  # the prediction is a special word that is not the gold
+        ("noanswer", "noanswer", 1, 1, 1, 1),
+        ("the the", "a", 1, 0, 0, 0),  # both normalise to "": equal, but no tokens in common
+        ("John Smith Jr", "John Smith", 0, 0.8, 2 / 3, 1),
+    ],
+)
+def test_hotpot_scores_match_hand_computed_values(prediction, answer, em, f1, precision, recall):
+    score = hotpot_score(prediction, answer)
+    assert score.em == em
+    assert score.f1 == pytest.approx(f1)
+    assert score.precision == pytest.approx(precision)
+    assert score.recall == pytest.approx(recall)
