@@ -82,6 +82,16 @@ def tiny_model_factory():
     return tiny_hf_model
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint_shared(tmp_path_factory, tokenizer):
+    """The tiny random llama of ``tiny_hf_model`` saved once per session as a local HF checkpoint (with the
+    SmolLM2 tokenizer), for ``semkv serve`` subprocesses started by module-scoped fixtures."""
+    folder = tmp_path_factory.mktemp("tiny-ckpt-shared")
+    tiny_hf_model("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def make_tiny_engine(tmp_path, tokenizer):
     """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path."""

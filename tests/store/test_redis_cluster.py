@@ -150,7 +150,7 @@ def test_reads_and_writes_follow_ask_and_moved(redis_cluster):
     a_name, b_name = redis_cluster.master_names()[:2]
     a_id, b_id = node_id(a_name), node_id(b_name)
     a, b = node_client(a_name), node_client(b_name)
-    slot = next(s for s in range(16384) if redis_cluster.master_of_slot(s) == a_name)
+    slot = next(n.slot_ranges[0][0] for n in redis_cluster.topology() if n.name == a_name)
     try:
         first = entry_in_slot(tier, slot, 0)
         assert tier.put(first) and same(tier.get(first.key), first)  # the tier's slot map: slot -> A
@@ -232,3 +232,48 @@ def test_cluster_unreachable_at_start(tmp_path, caplog):
     assert time.perf_counter() - start < 1.0
     assert tier.stats.errors == 1 and tier.stats.unavailable >= 100
     assert sum("unavailable" in r.message for r in caplog.records) == 1
+
+
+def test_write_not_acknowledged_while_the_replica_is_paused(redis_cluster, caplog):
+    """Injected: one master's replica paused (SIGSTOP). A write to that master is stored but not
+    acknowledged after one WAIT timeout; the next writes there skip WAIT (no timeout each) and are not
+    acknowledged either; writes to the other masters are acknowledged; after SIGCONT, acknowledged again."""
+    tier = RedisTier(redis_cluster.url, timeout_s=0.3, base_backoff_s=0.3, max_backoff_s=0.6, namespace="lag")
+    master = redis_cluster.master_names()[0]
+    replica = redis_cluster.node(redis_cluster.replica_of(master))
+    mine = [
+        e
+        for e in (make_entry(seed) for seed in range(300, 400))
+        if redis_cluster.master_of_slot(key_slot(e.key.encode())) == master
+    ]
+    others = [
+        e
+        for e in (make_entry(seed) for seed in range(400, 420))
+        if redis_cluster.master_of_slot(key_slot(e.key.encode())) != master
+    ]
+    assert len(mine) >= 12 and others
+    with caplog.at_level(logging.WARNING, logger="semkv.store.redis_tier"):
+        replica.pause()
+        try:
+            start = time.perf_counter()
+            first = tier.put(mine[0])
+            first_s = time.perf_counter() - start
+            start = time.perf_counter()
+            rest = [tier.put(e) for e in mine[1:6]]
+            rest_s = time.perf_counter() - start
+            elsewhere = [tier.put(e) for e in others]
+        finally:
+            replica.resume()
+    assert not first and tier.wait_timeout_s * 0.8 <= first_s < tier.timeout_s + 0.2, first_s
+    assert not any(rest) and rest_s < tier.wait_timeout_s, rest_s  # WAIT skipped while its breaker is open
+    assert all(elsewhere)
+    assert all(same(tier.get(e.key), e) for e in mine[:6])  # stored all the same
+    assert tier.stats.unreplicated == 6 and tier.stats.errors == 0 and tier.health == "up"
+    assert any(master in r.message and "not acknowledged" in r.message for r in caplog.records)
+    deadline = time.monotonic() + 10
+    remaining = iter(mine[6:])
+    while not tier.put(next(remaining)):
+        assert time.monotonic() < deadline, "writes were never acknowledged again"
+        time.sleep(0.1)
+    tier.close()
+    redis_cluster.wait_healthy()
