@@ -572,6 +572,20 @@ class RedisTier:
             total += self._guarded(breaker, label, lengths, 0)
         return total
 
+    def clear(self) -> int:
+        """Delete every key of this namespace (entries and records) on every reachable master; returns how many."""
+        deleted = 0
+        for label, breaker, client in self._node_clients():
+
+            def wipe(c: redis.Redis = client) -> int:
+                pipe = c.pipeline(transaction=False)  # one DEL per key: a multi-key DEL must stay in one slot
+                for name in c.scan_iter(match=f"{self.namespace}:*", count=1000):
+                    pipe.delete(name)
+                return sum(int(n) for n in pipe.execute())
+
+            deleted += self._guarded(breaker, label, wipe, 0)
+        return deleted
+
     def close(self) -> None:
         if self.client is None:
             return

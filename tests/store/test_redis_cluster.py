@@ -125,6 +125,12 @@ def test_entries_spread_over_masters_acknowledged_by_replicas(redis_cluster):
         assert len(per_master) == 3 and all(n >= 5 for n in per_master.values()), per_master
         assert sorted(tier.keys()) == sorted(e.key for e in entries)
         assert tier.nbytes() == tier.stats.bytes_written
+        other = RedisTier(redis_cluster.url, namespace="spread2")
+        other.put(entries[0])
+        assert tier.put_record("doc", "doc-1", "{}") and tier.clear() == len(entries) + 1
+        assert list(tier.keys()) == [] and tier.get_record("doc", "doc-1") is None
+        assert list(other.keys()) == [entries[0].key]  # another namespace is left alone
+        other.close()
     finally:
         tier.close()
 
