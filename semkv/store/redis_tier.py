@@ -454,9 +454,8 @@ class RedisTier:
         pipe.wait(target, max(1, int(self.wait_timeout_s * 1000)))
         try:
             written, replicas = pipe.execute()
-        except (
-            AskError
-        ):  # MOVED or ASK: the slot moved since the slot map was read; the cluster client follows
+        except AskError:
+            # MOVED or ASK: the slot moved since the slot map was read; the cluster client follows it
             replication.failure()
             return bool(client.set(name, data, nx=nx, px=px)), False
         except BaseException:

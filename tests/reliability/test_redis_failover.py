@@ -86,20 +86,32 @@ def test_killed_master_loses_no_acknowledged_entry(redis_cluster):
             i += 1
         t.close()
 
+    # An idle reader whose breaker, once open, would stay open for 30 s: only the slot-map refresh done
+    # while a breaker is open lets it find the promoted replica.
+    idle = RedisTier(
+        redis_cluster.url, timeout_s=0.5, base_backoff_s=30.0, max_backoff_s=60.0, namespace="failover"
+    )
     threads = [threading.Thread(target=write, args=(w,)) for w in range(2)] + [threading.Thread(target=read)]
     for th in threads:
         th.start()
     try:
         time.sleep(1.0)
+        early = [e for e, acked, _ in written[0][:200] if acked and victim_slot(e)]
+        assert early and all(same(idle.get(e.key), e) for e in early)
         killed_at = time.monotonic()
         redis_cluster.kill(victim)
+        assert idle.get(early[0].key) is None and idle.stats.outages == 1  # its breaker opens
         promoted = redis_cluster.wait_promoted(victim, timeout=60)
         promoted_at = time.monotonic()
+        idle.get(early[0].key)  # refused by the open breaker; refreshes the slot map
+        idle_hits = sum(same(idle.get(e.key), e) for e in early)
         time.sleep(1.5)
     finally:
         stop.set()
         for th in threads:
             th.join()
+    assert idle_hits == len(early) and idle.stats.failovers == 1, (idle_hits, len(early), idle.stats)
+    idle.close()
 
     checker = tier(redis_cluster.url)
     entries = [e for pool in written for e in pool]
