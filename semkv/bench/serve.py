@@ -229,6 +229,20 @@ def summarise(
     return row
 
 
+def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("model", "clients", "requests", "docs", "docs_per_request", "doc_tokens", "max_tokens", "seed")
+    return {k: getattr(args, k) for k in names}
+
+
+def speed_ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """Requests/s and TTFT p50 / p99 of ``row`` over ``base``."""
+    return {
+        "requests_per_s_ratio": row["requests_per_s"] / base["requests_per_s"],
+        "ttft_p50_ratio": row["ttft_p50_s"] / base["ttft_p50_s"],
+        "ttft_p99_ratio": row["ttft_p99_s"] / base["ttft_p99_s"],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -266,11 +280,7 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
 
     rows = [summarise("full", full, full_wall, None), summarise("reuse", reuse, reuse_wall, full)]
-    ratios = {
-        "requests_per_s_ratio": rows[1]["requests_per_s"] / rows[0]["requests_per_s"],
-        "ttft_p50_ratio": rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"],
-        "ttft_p99_ratio": rows[1]["ttft_p99_s"] / rows[0]["ttft_p99_s"],
-    }
+    ratios = speed_ratios(rows[1], rows[0])
     store = {
         line.split(" ")[0]: float(line.split(" ")[-1])
         for line in metrics.splitlines()
@@ -278,19 +288,7 @@ def run(args: argparse.Namespace) -> int:
             ("semkv_store_tier_hits_total", "semkv_store_tier_misses_total", "semkv_store_tier_bytes")
         )
     }
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "model",
-            "clients",
-            "requests",
-            "docs",
-            "docs_per_request",
-            "doc_tokens",
-            "max_tokens",
-            "seed",
-        )
-    }
+    config = workload_config(args)
     config["server"] = args.url or "local subprocess (fresh home)"
     notes = (
         f"Document upload (precompute of {len(docs)} chunks): {upload_s:.3f} s, not counted in the reuse mode.\n\n"
@@ -323,6 +321,18 @@ def warm_up(base: str, model: str) -> None:
         stream_one(client, model, warm, "Warm up.", -1)
 
 
+def routed_counts(router_url: str) -> Counter[tuple[str, str]]:
+    """Requests the router has sent, by (backend, reason), from its /metrics."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("semkv_route_requests_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+            counts[(labels["backend"].strip('"'), labels["reason"].strip('"'))] += int(
+                float(line.split()[-1])
+            )
+    return counts
+
+
 def routed_run(
     args: argparse.Namespace, n: int, cores: list[int], docs: list[str], requests: list[tuple[list[int], str]]
 ) -> dict[str, Any]:
@@ -346,16 +356,12 @@ def routed_run(
         upload_s = time.perf_counter() - start
         ids = [d["id"] for d in uploaded]
         payloads = [({"documents": [ids[i] for i in idx], "reuse": "auto"}, q) for idx, q in requests]
+        before = routed_counts(router.url)
         outcomes, wall = run_mode(router.url, model, args, payloads)
-        routed = Counter()
-        for line in httpx.get(f"{router.url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("semkv_route_requests_total{"):
-                labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
-                routed[(labels["backend"].strip('"'), labels["reason"].strip('"'))] += int(
-                    float(line.split()[-1])
-                )
+        routed = routed_counts(router.url)
+        routed.subtract(before)  # the load's requests only
         served = [sum(v for (url, _), v in routed.items() if url == b.url) for b in backends]
-        reasons = Counter()
+        reasons: Counter[str] = Counter()
         for (_, reason), v in routed.items():
             reasons[reason] += v
     finally:
@@ -370,7 +376,7 @@ def routed_run(
         "wall_s": wall,
         "upload_s": upload_s,
         "served": served,
-        "reasons": " ".join(f"{r}:{c}" for r, c in sorted(reasons.items())),
+        "reasons": " ".join(f"{r}:{c}" for r, c in sorted(reasons.items()) if c),
     }
 
 
@@ -410,24 +416,10 @@ def run_routed(args: argparse.Namespace) -> int:
         rows.append(row)
     base, many = rows[0], rows[1]
     ratios = {
-        "requests_per_s_ratio": many["requests_per_s"] / base["requests_per_s"],
-        "ttft_p50_ratio": many["ttft_p50_s"] / base["ttft_p50_s"],
-        "ttft_p99_ratio": many["ttft_p99_s"] / base["ttft_p99_s"],
+        **speed_ratios(many, base),
         "hit_rate_relative_difference": (many["hit_rate"] - base["hit_rate"]) / max(1e-9, base["hit_rate"]),
     }
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "model",
-            "clients",
-            "requests",
-            "docs",
-            "docs_per_request",
-            "doc_tokens",
-            "max_tokens",
-            "seed",
-        )
-    }
+    config = workload_config(args)
     config.update(backends=args.backends, cores=cores, redis="local 3+3 cluster" if cluster else args.redis)
     notes = (
         f"{args.backends} backends vs 1 (each one torch thread on its own core; router and clients unpinned): "

@@ -64,7 +64,8 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 class RouterConfig:
     """backends: base URLs of ``semkv serve`` processes (``http://host:port``).
     prefix_chars: leading characters of a prompt hashed for affinity (about the first blocks' text).
-    max_imbalance: in-flight requests a backend may have beyond the least-loaded before its keys spill over.
+    max_imbalance: in-flight requests a backend may have beyond the least-loaded one, counting the request
+        being routed, before its keys spill over (1: the least-loaded, preferring the key's owner; 0: least-loaded).
     health_interval_s / health_timeout_s: how often and how patiently ``/health`` is polled.
     connect_timeout_s: a backend that does not accept a connection within it is skipped.
     read_timeout_s: longest wait for a backend's next bytes (None: no limit).

@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
         "--max-imbalance",
         type=int,
         default=1,
-        help="requests in flight a backend may have beyond the least-loaded one before its keys spill over",
+        help="requests in flight a backend may have beyond the least-loaded one (counting the new request) "
+        "before its keys spill over; 1 (default): least-loaded, the key's owner first among equals",
     )
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health polls")
     p.add_argument("--health-timeout", type=float, default=1.0, help="seconds a /health poll may take")

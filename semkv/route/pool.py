@@ -1,9 +1,12 @@
 """The router's backends: health, load (requests in flight through this router), and the choice of one.
 
-Choice: the ring's owner of the request's affinity key, unless it has more than ``max_imbalance``
-requests in flight beyond the least-loaded live backend; then the next backend on the ring that does
-not (bounded-load consistent hashing, so a hot key spills over instead of queueing); a request
-without a key goes to the least-loaded live backend. A backend that failed its health check, or
+Choice: the ring's owner of the request's affinity key, unless sending it there would leave the owner
+more than ``max_imbalance`` requests in flight beyond the least-loaded live backend; then the next
+backend on the ring for which it would not (bounded-load consistent hashing, so a hot key spills over
+instead of queueing), and if none, the least-loaded (ring order breaks ties). ``max_imbalance=1``: a
+backend gets the request only while no other has fewer in flight — least-loaded, with the key's owner
+preferred among the least loaded; 0: least-loaded alone. A request without a key goes to the
+least-loaded live backend. A backend that failed its health check, or
 refused a connection, is skipped until ``/health`` answers again.
 """
 
@@ -65,8 +68,9 @@ class BackendPool:
             return sorted(live, key=lambda b: (b.in_flight, b.routed)) + down, "least_loaded"
         ring = [self.by_url[url] for url in self.ring.order(key)]
         ring_live = [b for b in ring if b.up]
-        bound = min(b.in_flight for b in live) + self.max_imbalance
-        first = next(b for b in ring_live if b.in_flight <= bound)
+        least = min(b.in_flight for b in live)
+        fits = [b for b in ring_live if b.in_flight + 1 - least <= self.max_imbalance]
+        first = fits[0] if fits else min(ring_live, key=lambda b: b.in_flight)  # min: the first of the least
         reason = "affinity" if first is ring_live[0] else "balanced"
         return [first] + [b for b in ring_live if b is not first] + down, reason
 

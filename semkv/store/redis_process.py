@@ -88,6 +88,9 @@ class RedisNodeProcess:
                 timeout,
                 f"redis-server on port {self.port}",
             )
+        except BaseException:
+            self.stop()
+            raise
         finally:
             client.close()
 
@@ -195,7 +198,15 @@ class LocalRedisCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start every node, assign slots to the first ``masters``, join them, attach the replicas, wait healthy."""
+        """Start every node, assign slots to the first ``masters``, join them, attach the replicas, wait
+        healthy; on any failure the nodes started are stopped again."""
+        try:
+            self._form(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _form(self, timeout: float) -> None:
         for node in self.nodes:
             node.start()
         first, *others = self.nodes

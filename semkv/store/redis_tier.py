@@ -280,14 +280,19 @@ class RedisTier:
         return 1 if int(self.client.info("replication").get("connected_slaves", 0)) > 0 else 0
 
     # -- guarded calls -------------------------------------------------------------------------------
-    def _node_breaker(self, node: str) -> CircuitBreaker:
-        breaker = self._node_breakers.get(node)
+    def _breaker_in(self, table: dict[str, CircuitBreaker], node: str) -> CircuitBreaker:
+        """``table[node]``, created with this tier's backoff settings on first use."""
+        breaker = table.get(node)
         if breaker is None:
-            fresh = CircuitBreaker(
-                self.breaker.base_backoff_s, self.breaker.max_backoff_s, self.breaker.clock
+            base = self.breaker
+            breaker = table.setdefault(
+                node, CircuitBreaker(base.base_backoff_s, base.max_backoff_s, base.clock)
             )
-            breaker = self._node_breakers.setdefault(node, fresh)
         return breaker
+
+    def _node_breaker(self, node: str) -> CircuitBreaker:
+        """The circuit breaker of calls to master ``node``."""
+        return self._breaker_in(self._node_breakers, node)
 
     def _guarded(self, breaker: CircuitBreaker, label: str, fn: Callable[[], T], default: T) -> T:
         """``fn()`` unless ``breaker`` is open; any Redis/socket error -> ``default`` (and the breaker opens)."""
@@ -428,13 +433,7 @@ class RedisTier:
     # -- writes --------------------------------------------------------------------------------------
     def _replication_breaker(self, node: str) -> CircuitBreaker:
         """Open while ``node``'s replicas do not answer WAIT: its writes then skip WAIT (unacknowledged)."""
-        breaker = self._replication_breakers.get(node)
-        if breaker is None:
-            fresh = CircuitBreaker(
-                self.breaker.base_backoff_s, self.breaker.max_backoff_s, self.breaker.clock
-            )
-            breaker = self._replication_breakers.setdefault(node, fresh)
-        return breaker
+        return self._breaker_in(self._replication_breakers, node)
 
     def _write(self, client: Any, name: str, data: bytes, px: int | None, nx: bool) -> tuple[bool, bool]:
         """SET (+ WAIT on the same connection); returns (written, acknowledged by the replicas asked for)."""

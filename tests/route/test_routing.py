@@ -77,14 +77,13 @@ def test_affinity_key_of_every_route():
 
 
 def test_pool_prefers_the_owner_until_it_is_too_loaded():
-    pool = BackendPool(URLS, max_imbalance=1)
+    pool = BackendPool(URLS, max_imbalance=2)
     key = "doc:doc-" + "a" * 32
     order = [pool.by_url[u] for u in pool.ring.order(key)]
-    first, reason = pool.candidates(key)
-    assert first == order and reason == "affinity"
-    order[0].in_flight = 1  # one more than the others: still within the bound
     assert pool.candidates(key) == (order, "affinity")
-    order[0].in_flight = 2  # two more: spills to the next on the ring
+    order[0].in_flight = 1  # one more than the others: after this request two more, within the bound
+    assert pool.candidates(key) == (order, "affinity")
+    order[0].in_flight = 2  # it would be three above: spills to the next on the ring
     chosen, reason = pool.candidates(key)
     assert reason == "balanced" and chosen[0] is order[1] and sorted(b.url for b in chosen) == sorted(URLS)
     order[1].in_flight = 2
@@ -98,6 +97,28 @@ def test_pool_prefers_the_owner_until_it_is_too_loaded():
     order[0].in_flight, order[0].routed = 0, 5
     order[1].routed = 2
     assert pool.candidates(None) == ([order[1], order[0], order[2]], "least_loaded")
+
+
+@pytest.mark.parametrize("max_imbalance", [0, 1])
+def test_small_imbalance_is_least_loaded_with_the_owner_first(max_imbalance):
+    pool = BackendPool(URLS, max_imbalance=max_imbalance)
+    key = "text:a prompt"
+    order = [pool.by_url[u] for u in pool.ring.order(key)]
+    assert pool.candidates(key) == (order, "affinity")  # all idle: the owner (first among the least)
+    order[0].in_flight = 1
+    assert pool.candidates(key) == ([order[1], order[0], order[2]], "balanced")
+    order[1].in_flight = 1
+    assert pool.candidates(key)[0][0] is order[2]
+    order[2].in_flight = 1  # all equal again: the owner
+    assert pool.candidates(key)[0][0] is order[0]
+
+
+def test_requests_arriving_together_are_spread():
+    """Four requests for one key, none finished: with the default bound they end up two and two."""
+    pool = BackendPool(URLS[:2])
+    for _ in range(4):
+        pool.candidates("doc:doc-" + "b" * 32)[0][0].in_flight += 1
+    assert sorted(b.in_flight for b in pool.backends) == [2, 2]
 
 
 def test_router_config_checks():
