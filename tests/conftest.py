@@ -16,7 +16,7 @@ import torch
 from semkv.config import EngineConfig, StoreConfig, default_home
 from semkv.engine import Engine
 from semkv.models.loader import LoadedModel, load_model
-from semkv.store.redis_process import LocalRedisCluster, RedisNodeProcess
+from semkv.store.redis_process import LocalRedisCluster, PortTaken, RedisNodeProcess
 
 TINY_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text"]
 
@@ -149,8 +149,14 @@ class RedisServer(RedisNodeProcess):
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server for one test; killed afterwards."""
-    server = RedisServer(tmp_path)
-    server.start()
+    for attempt in range(3):
+        server = RedisServer(tmp_path)
+        try:
+            server.start()
+            break
+        except PortTaken:  # another process took the free port first: pick another
+            if attempt == 2:
+                raise
     yield server
     server.stop()
 

@@ -18,10 +18,13 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from semkv.processes import free_port
 
@@ -35,7 +38,7 @@ def redis_server_binary() -> str:
     return binary
 
 
-def wait_until(check, timeout: float, what: str, interval: float = 0.05) -> None:
+def wait_until(check: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
     """Call ``check()`` until it is truthy; TimeoutError naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -49,6 +52,10 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.05) -> None
     raise TimeoutError(
         f"timed out after {timeout} s waiting for {what}" + (f" (last error: {last})" if last else "")
     )
+
+
+class PortTaken(RuntimeError):
+    """redis-server exited at start: its port (picked free a moment before) was taken meanwhile."""
 
 
 class RedisNodeProcess:
@@ -73,7 +80,11 @@ class RedisNodeProcess:
 
     def client(self, timeout: float = 1.0) -> redis.Redis:
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # one attempt: the callers poll
         )
 
     def start(self, timeout: float = 10.0) -> None:
@@ -82,12 +93,15 @@ class RedisNodeProcess:
         cmd += ["--appendonly", "no", "--dir", str(self.workdir), *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client(0.5)
+
+        def answering() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:  # e.g. the port was taken since it was picked
+                raise PortTaken(f"redis-server on port {self.port} exited with {self.proc.returncode}")
+            return bool(client.ping())
+
         try:
-            wait_until(
-                lambda: self.proc is not None and self.proc.poll() is None and client.ping(),
-                timeout,
-                f"redis-server on port {self.port}",
-            )
+            wait_until(answering, timeout, f"redis-server on port {self.port}")
         except BaseException:
             self.stop()
             raise
@@ -177,17 +191,21 @@ class LocalRedisCluster:
         self.workdir = Path(workdir)
         self.masters = masters
         self.replicas = replicas
-        self.nodes: list[RedisNodeProcess] = []
+        self.node_timeout_ms = node_timeout_ms
         self.bus_ports: dict[str, int] = {}
-        for _ in range(masters * (1 + replicas)):
-            port, bus_port = free_port(), free_port()
-            extra = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf")
-            extra += ("--cluster-port", str(bus_port))  # the default, port + 10000, may be over 65535
-            extra += ("--cluster-node-timeout", str(node_timeout_ms))
-            extra += ("--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0")
-            extra += ("--repl-diskless-sync-delay", "0")  # a (re)joining replica syncs at once, not after 5 s
-            self.nodes.append(RedisNodeProcess(self.workdir, port, extra))
-            self.bus_ports[self.nodes[-1].name] = bus_port
+        self.nodes = [self._new_node() for _ in range(masters * (1 + replicas))]
+
+    def _new_node(self) -> RedisNodeProcess:
+        """A cluster node on fresh free ports (not started)."""
+        port, bus_port = free_port(), free_port()
+        extra = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf")
+        extra += ("--cluster-port", str(bus_port))  # the default, port + 10000, may be over 65535
+        extra += ("--cluster-node-timeout", str(self.node_timeout_ms))
+        extra += ("--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0")
+        extra += ("--repl-diskless-sync-delay", "0")  # a (re)joining replica syncs at once, not after 5 s
+        node = RedisNodeProcess(self.workdir, port, extra)
+        self.bus_ports[node.name] = bus_port
+        return node
 
     @property
     def url(self) -> str:
@@ -207,8 +225,15 @@ class LocalRedisCluster:
             raise
 
     def _form(self, timeout: float) -> None:
-        for node in self.nodes:
-            node.start()
+        for i in range(len(self.nodes)):
+            for attempt in range(3):
+                try:
+                    self.nodes[i].start()
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    self.nodes[i] = self._new_node()  # another process took a port: pick new ones
         first, *others = self.nodes
         clients = [n.client() for n in self.nodes]
         try:

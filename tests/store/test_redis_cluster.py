@@ -11,6 +11,7 @@ against the stored fingerprint and token ids.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from semkv.config import StoreConfig
 from semkv.server.process import free_port
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, chunk_key
+from semkv.store.redis_process import PortTaken, RedisNodeProcess
 from semkv.store.redis_tier import RedisTier, redact, seed_nodes
 from semkv.store.store import KVStore
 from semkv.store.tiers import MemoryTier
@@ -283,3 +285,16 @@ def test_write_not_acknowledged_while_the_replica_is_paused(redis_cluster, caplo
         time.sleep(0.1)
     tier.close()
     redis_cluster.wait_healthy()
+
+
+def test_node_on_a_taken_port_fails_fast(tmp_path):
+    """Injected: another process listens on the port picked for a redis-server. Its start fails at once
+    (PortTaken, so the cluster launcher picks other ports), not after the start timeout."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(4)
+        node = RedisNodeProcess(tmp_path, taken.getsockname()[1])
+        start = time.perf_counter()
+        with pytest.raises(PortTaken):
+            node.start(timeout=10)
+        assert time.perf_counter() - start < 5 and not node.running
