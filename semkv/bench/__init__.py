@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "share": "semkv.bench.share",
     "sparse": "semkv.bench.sparse",
     "serve": "semkv.bench.serve",
+    "redis-writes": "semkv.bench.redis_writes",
 }
 
 

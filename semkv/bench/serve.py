@@ -13,6 +13,13 @@ queueing included), server prefill median, tokens reused / recomputed, the paths
 agreement of each answer with the same request's full-prefill answer (quality, same run).
 A warm-up request is excluded. Without ``--url`` a ``semkv serve`` subprocess is started with a
 fresh home (its own empty store) on a free loopback port.
+
+**Routed** (``--backends N --redis URL``, or ``--local-cluster``): the reuse load runs twice behind
+``semkv route``, first with one backend, then with N, every backend sharing the Redis tier (a cluster)
+under a namespace of its own run, each backend pinned to its own core (``--cores``, taskset) with one
+torch thread. Reported per run: requests/s, TTFT, the KV hit rate (reused tokens / prompt tokens), the
+requests each backend served and why the router sent them; then N vs 1: throughput ratio, hit-rate
+difference, and whether the answers are the same.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ import httpx
 from semkv.bench.report import median, write_results
 from semkv.config import default_home
 from semkv.evaluation.essays import essays, text_of_tokens
+from semkv.route.process import RouteProcess
 from semkv.server.process import ServeProcess
+from semkv.store.redis_process import LocalRedisCluster
+from semkv.store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--backends",
+        type=int,
+        default=0,
+        help="routed mode: the reuse load with 1 backend, then with this many, behind semkv route (needs --redis or --local-cluster)",
+    )
+    p.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="start a throwaway 3-master + 3-replica Redis Cluster on loopback ports and use it as --redis",
+    )
+    p.add_argument(
+        "--cores",
+        default=None,
+        help="routed mode: comma-separated cores, backend i pinned to the i-th (default 0,1,...)",
+    )
+    p.add_argument(
         "--models-dir",
         default=None,
         help="converted models of the started server (default: the default home's, so a fresh home converts nothing)",
@@ -84,7 +110,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def start_local_server(args: argparse.Namespace) -> ServeProcess:
+def start_local_server(
+    args: argparse.Namespace, *more: str, port: int | None = None, cpus: list[int] | None = None
+) -> ServeProcess:
     """``semkv serve`` with the bench's model flags and a fresh home (its own disk store)."""
     home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
     models_dir = args.models_dir or str(default_home() / "models")
@@ -92,7 +120,7 @@ def start_local_server(args: argparse.Namespace) -> ServeProcess:
     extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
     if args.redis:
         extra += ["--redis", args.redis]
-    return ServeProcess(args.model, home, *extra, port=args.port)
+    return ServeProcess(args.model, home, *extra, *more, port=args.port if port is None else port, cpus=cpus)
 
 
 def _tokenizer(args: argparse.Namespace):
@@ -172,7 +200,11 @@ def run_mode(
 
 
 def summarise(
-    mode: str, outcomes: list[Outcome], wall_s: float, reference: list[Outcome] | None
+    mode: str,
+    outcomes: list[Outcome],
+    wall_s: float,
+    reference: list[Outcome] | None,
+    reference_name: str = "full",
 ) -> dict[str, Any]:
     ttfts = [o.ttft_s for o in outcomes]
     reused = sum(int(o.stats.get("reused_tokens", 0)) for o in outcomes)
@@ -188,12 +220,27 @@ def summarise(
         "tokens_reused": reused,
         "tokens_recomputed": recomputed,
         "reused_fraction": reused / max(1, reused + recomputed),
+        "hit_rate": reused / max(1, sum(int(o.stats.get("prompt_tokens", 0)) for o in outcomes)),
         "paths": " ".join(f"{p}:{n}" for p, n in sorted(paths.items())),
     }
     if reference is not None:
         same = sum(o.text == r.text for o, r in zip(outcomes, reference, strict=True))
-        row["same_answer_as_full"] = same / len(outcomes)
+        row[f"same_answer_as_{reference_name}"] = same / len(outcomes)
     return row
+
+
+def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("model", "clients", "requests", "docs", "docs_per_request", "doc_tokens", "max_tokens", "seed")
+    return {k: getattr(args, k) for k in names}
+
+
+def speed_ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """Requests/s and TTFT p50 / p99 of ``row`` over ``base``."""
+    return {
+        "requests_per_s_ratio": row["requests_per_s"] / base["requests_per_s"],
+        "ttft_p50_ratio": row["ttft_p50_s"] / base["ttft_p50_s"],
+        "ttft_p99_ratio": row["ttft_p99_s"] / base["ttft_p99_s"],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         raise ValueError("--clients, --requests and --max-tokens must be >= 1")
+    if args.backends:
+        return run_routed(args)
     docs, requests = build_workload(args)
     server = None if args.url else start_local_server(args)
     try:
@@ -231,11 +280,7 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
 
     rows = [summarise("full", full, full_wall, None), summarise("reuse", reuse, reuse_wall, full)]
-    ratios = {
-        "requests_per_s_ratio": rows[1]["requests_per_s"] / rows[0]["requests_per_s"],
-        "ttft_p50_ratio": rows[1]["ttft_p50_s"] / rows[0]["ttft_p50_s"],
-        "ttft_p99_ratio": rows[1]["ttft_p99_s"] / rows[0]["ttft_p99_s"],
-    }
+    ratios = speed_ratios(rows[1], rows[0])
     store = {
         line.split(" ")[0]: float(line.split(" ")[-1])
         for line in metrics.splitlines()
@@ -243,19 +288,7 @@ def run(args: argparse.Namespace) -> int:
             ("semkv_store_tier_hits_total", "semkv_store_tier_misses_total", "semkv_store_tier_bytes")
         )
     }
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "model",
-            "clients",
-            "requests",
-            "docs",
-            "docs_per_request",
-            "doc_tokens",
-            "max_tokens",
-            "seed",
-        )
-    }
+    config = workload_config(args)
     config["server"] = args.url or "local subprocess (fresh home)"
     notes = (
         f"Document upload (precompute of {len(docs)} chunks): {upload_s:.3f} s, not counted in the reuse mode.\n\n"
@@ -277,6 +310,132 @@ def run(args: argparse.Namespace) -> int:
         },
         notes=notes,
     )
+    log.info("wrote %s and %s", json_path, md_path)
+    print(md_path.read_text())  # noqa: T201 - the bench's report on the terminal
+    return 0
+
+
+def warm_up(base: str, model: str) -> None:
+    warm = {"reuse": "none", "store_prompt": False, "chunks": ["A warm-up passage."], "max_tokens": 2}
+    with httpx.Client(base_url=base, timeout=600) as client:
+        stream_one(client, model, warm, "Warm up.", -1)
+
+
+def routed_counts(router_url: str) -> Counter[tuple[str, str]]:
+    """Requests the router has sent, by (backend, reason), from its /metrics."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for line in httpx.get(f"{router_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("semkv_route_requests_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+            counts[(labels["backend"].strip('"'), labels["reason"].strip('"'))] += int(
+                float(line.split()[-1])
+            )
+    return counts
+
+
+def routed_run(
+    args: argparse.Namespace, n: int, cores: list[int], docs: list[str], requests: list[tuple[list[int], str]]
+) -> dict[str, Any]:
+    """The reuse load through ``semkv route`` over ``n`` fresh backends (backend i pinned to ``cores[i]``)
+    sharing the Redis tier under a namespace of this run, which is deleted afterwards."""
+    namespace = f"bench{int(time.time())}n{n}"
+    backends = [
+        start_local_server(args, "--redis-namespace", namespace, port=0, cpus=[cores[i]]) for i in range(n)
+    ]
+    router: RouteProcess | None = None
+    try:
+        for b in backends:
+            b.wait_ready(timeout=300.0)
+        router = RouteProcess([b.url for b in backends], backends[0].home / "route.log")
+        router.wait_ready(timeout=60.0)
+        model = httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for b in backends:
+            warm_up(b.url, model)
+        start = time.perf_counter()
+        uploaded = httpx.post(f"{router.url}/v1/documents", json={"input": docs}, timeout=600).json()["data"]
+        upload_s = time.perf_counter() - start
+        ids = [d["id"] for d in uploaded]
+        payloads = [({"documents": [ids[i] for i in idx], "reuse": "auto"}, q) for idx, q in requests]
+        before = routed_counts(router.url)
+        outcomes, wall = run_mode(router.url, model, args, payloads)
+        routed = routed_counts(router.url)
+        routed.subtract(before)  # the load's requests only
+        served = [sum(v for (url, _), v in routed.items() if url == b.url) for b in backends]
+        reasons: Counter[str] = Counter()
+        for (_, reason), v in routed.items():
+            reasons[reason] += v
+    finally:
+        if router is not None:
+            router.stop()
+        for b in backends:
+            b.stop()
+    cleared = RedisTier(args.redis, namespace=namespace).clear()
+    log.info("deleted %d Redis keys of namespace %s", cleared, namespace)
+    return {
+        "outcomes": outcomes,
+        "wall_s": wall,
+        "upload_s": upload_s,
+        "served": served,
+        "reasons": " ".join(f"{r}:{c}" for r, c in sorted(reasons.items()) if c),
+    }
+
+
+def run_routed(args: argparse.Namespace) -> int:
+    """1 backend vs ``args.backends`` backends behind the router, on the same load and the same Redis."""
+    if args.backends < 2:
+        raise ValueError("--backends must be >= 2 (it is compared with one backend)")
+    if args.url:
+        raise ValueError("--backends starts its own backends; drop --url")
+    cores = [int(c) for c in args.cores.split(",")] if args.cores else list(range(args.backends))
+    if len(cores) < args.backends:
+        raise ValueError(f"--cores names {len(cores)} cores for {args.backends} backends")
+    cluster = None
+    if args.local_cluster:
+        cluster = LocalRedisCluster(
+            Path(tempfile.mkdtemp(prefix="semkv-bench-cluster-")), masters=3, replicas=1
+        )
+        cluster.start()
+        args.redis = cluster.url
+    if not args.redis:
+        raise ValueError("--backends needs a shared Redis tier: --redis URL or --local-cluster")
+    try:
+        docs, requests = build_workload(args)
+        runs = {n: routed_run(args, n, cores, docs, requests) for n in (1, args.backends)}
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    one = runs[1]["outcomes"]
+    rows = []
+    for n, run_ in runs.items():
+        row = summarise(
+            f"{n} backend{'s' if n > 1 else ''}", run_["outcomes"], run_["wall_s"], one, "1_backend"
+        )
+        row["served_per_backend"] = "/".join(str(s) for s in run_["served"])
+        row["routing"] = run_["reasons"]
+        row["upload_s"] = run_["upload_s"]
+        rows.append(row)
+    base, many = rows[0], rows[1]
+    ratios = {
+        **speed_ratios(many, base),
+        "hit_rate_relative_difference": (many["hit_rate"] - base["hit_rate"]) / max(1e-9, base["hit_rate"]),
+    }
+    config = workload_config(args)
+    config.update(backends=args.backends, cores=cores, redis="local 3+3 cluster" if cluster else args.redis)
+    notes = (
+        f"{args.backends} backends vs 1 (each one torch thread on its own core; router and clients unpinned): "
+        f"requests/s x{ratios['requests_per_s_ratio']:.2f} (target >= 1.7), "
+        f"hit rate {many['hit_rate']:.3f} vs {base['hit_rate']:.3f} "
+        f"({100 * ratios['hit_rate_relative_difference']:+.1f}%, target within 10%), "
+        f"TTFT p50 x{ratios['ttft_p50_ratio']:.2f}, p99 x{ratios['ttft_p99_ratio']:.2f}; "
+        f"answers identical to 1 backend: {many['same_answer_as_1_backend']:.0%}.\n"
+    )
+    extra = {
+        "ratios": ratios,
+        "answers": {
+            r["mode"]: [o.text for o in runs[n]["outcomes"]] for r, n in zip(rows, runs, strict=True)
+        },
+    }
+    json_path, md_path = write_results(args.out, "serve_routed", rows, config, extra=extra, notes=notes)
     log.info("wrote %s and %s", json_path, md_path)
     print(md_path.read_text())  # noqa: T201 - the bench's report on the terminal
     return 0

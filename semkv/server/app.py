@@ -356,7 +356,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        redis = "disabled" if state.redis is None else ("up" if state.redis.available else "down")
+        redis = "disabled" if state.redis is None else state.redis.health  # up, degraded or down
         return {
             "status": "ok",
             "model": state.model_name,

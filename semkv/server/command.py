@@ -31,9 +31,22 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--redis", default=None, metavar="URL", help="shared Redis tier, e.g. redis://127.0.0.1:6379/0"
+        "--redis",
+        default=None,
+        metavar="URL",
+        help="shared Redis tier: one node, redis://127.0.0.1:6379/0, or a Redis Cluster, "
+        "redis://h1:p1,h2:p2/0 (seed nodes; any one node of it works too)",
     )
     p.add_argument("--redis-timeout", type=float, default=0.25, help="seconds per Redis call (default 0.25)")
+    p.add_argument("--redis-namespace", default="semkv", help="prefix of this deployment's Redis keys")
+    p.add_argument(
+        "--redis-wait",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replicas a Redis write must reach (WAIT) before it counts as stored "
+        "(default: 1 if the deployment has replicas, else 0)",
+    )
     p.add_argument("--models-dir", default=None, help="converted models folder (default <home>/models)")
     p.add_argument("--no-disk", action="store_true", help="no local disk tier (memory [+ Redis] only)")
     p.add_argument("--memory-mb", type=int, default=2048, help="byte budget of the memory tier, MiB")
@@ -72,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         disk=not args.no_disk,
         redis_url=args.redis,
         redis_timeout_s=args.redis_timeout,
+        redis_namespace=args.redis_namespace,
+        redis_wait_replicas=args.redis_wait,
     )
     engine = Engine.from_args(args, store=store)
     app = create_app(engine, config)

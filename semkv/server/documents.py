@@ -3,7 +3,7 @@
 Ids are content addresses (``doc-`` + sha256 of the text), so the same text gets the
 same id on every server. Records live in process memory, in ``<home>/documents`` (they
 survive a restart, like the disk store) and, when the store has a Redis tier, in Redis
-under ``<namespace>:doc:<id>`` — so a document uploaded to one server can be named in a
+under ``<namespace>:doc:{<id>}`` — so a document uploaded to one server can be named in a
 request to another server sharing that Redis. The KV itself is never here: it is in
 the store under chunk keys, found again from the text's tokens.
 """
@@ -100,10 +100,6 @@ class DocumentRegistry:
         assert self.folder is not None
         return self.folder / f"{doc_id}.json"
 
-    def _redis_key(self, doc_id: str) -> str:
-        assert self.redis is not None
-        return f"{self.redis.namespace}:doc:{doc_id}"
-
     def put(self, doc: Document) -> None:
         with self._lock:
             self._docs[doc.id] = doc
@@ -117,7 +113,7 @@ class DocumentRegistry:
                 tmp.unlink(missing_ok=True)
                 log.warning("cannot write document record %s: %s", doc.id, exc)
         if self.redis is not None:
-            self.redis.call(lambda c: c.set(self._redis_key(doc.id), data), None)
+            self.redis.put_record("doc", doc.id, data)
 
     def get(self, doc_id: str) -> Document | None:
         if not is_document_id(doc_id):
@@ -147,7 +143,7 @@ class DocumentRegistry:
 
     def _load_redis(self, doc_id: str) -> Document | None:
         assert self.redis is not None
-        data = self.redis.call(lambda c: c.get(self._redis_key(doc_id)), None)
+        data = self.redis.get_record("doc", doc_id)
         if data is None:
             return None
         try:

@@ -50,7 +50,14 @@ class KVStore:
         if config.redis_url:
             from semkv.store.redis_tier import RedisTier
 
-            tiers.append(RedisTier(config.redis_url, timeout_s=config.redis_timeout_s))
+            tiers.append(
+                RedisTier(
+                    config.redis_url,
+                    timeout_s=config.redis_timeout_s,
+                    namespace=config.redis_namespace,
+                    wait_replicas=config.redis_wait_replicas,
+                )
+            )
         return cls(tiers, fingerprint)
 
     @property

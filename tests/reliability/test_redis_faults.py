@@ -69,10 +69,10 @@ def redis_engine(tmp_path, tokenizer, model, url, clock):
     tier.call_times = []
     real_call = tier.call
 
-    def timed_call(fn, default):
+    def timed_call(fn, default, key=None):
         start = time.perf_counter()
         try:
-            return real_call(fn, default)
+            return real_call(fn, default, key)
         finally:
             tier.call_times.append(time.perf_counter() - start)
 

@@ -13,6 +13,7 @@ import concurrent.futures
 import httpx
 
 from semkv.reuse.registry import REUSE_MODES
+from tests.metrics_text import metric
 
 TINY = "tiny"
 DOCS = [
@@ -21,15 +22,6 @@ DOCS = [
     "Marmalade was first sold in Dundee by a grocer whose ship had brought a cargo of bitter oranges. "
     "His wife boiled them with sugar, and the jars sold out in a single afternoon at the harbour market.",
 ]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample of a Prometheus text exposition (0 if absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def test_two_servers_share_one_redis(redis_server, tiny_checkpoint, serve_process, tmp_path):
