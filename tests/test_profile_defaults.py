@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from semkv.profile import EngineDefaults
 from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest
 from semkv.reuse.options import BlendConfig, ShareConfig
+from semkv.sparse import Budget
+
+LONG = " ".join(f"Item {i} of the list is the number {i * 7 % 13}." for i in range(30))
 
 
 def test_kv_budget_falls_back_to_profile_then_default(make_tiny_engine):
@@ -19,8 +24,22 @@ def test_kv_budget_falls_back_to_profile_then_default(make_tiny_engine):
     assert (
         engine.defaults.kv_budget_for(GenerateRequest(prompt="hello", sparse="keykey", kv_budget=0.2)) == 0.2
     )
-    generation = engine.generate(prompt="hello there", sparse="keykey", max_new_tokens=3, stop_at_eos=False)
-    assert len(generation.token_ids) == 3
+
+    def used_budget(**options) -> float:
+        """The budget a generation really decoded with: its stats, and the blocks it selected per step."""
+        stats = engine.generate(
+            prompt=LONG, max_new_tokens=4, stop_at_eos=False, store_prompt=False, **options
+        ).stats
+        lengths = [stats["prompt_tokens"] + 1 + step for step in range(3)]
+        blocks = [Budget(stats["kv_budget"]).blocks(n, engine.config.block_size) for n in lengths]
+        assert stats["blocks_selected_per_step"] == pytest.approx(sum(blocks) / len(blocks))
+        return stats["kv_budget"]
+
+    assert used_budget(sparse="keykey") == 0.5  # the profile's
+    assert used_budget(sparse="keykey", kv_budget=0.2) == 0.2  # the request's own
+    assert used_budget(sparse="quest") == DEFAULT_KV_BUDGET  # not in the profile
+    engine.defaults = replace(engine.defaults, kv_budget={})
+    assert used_budget(sparse="keykey") == DEFAULT_KV_BUDGET
 
 
 def test_share_config_falls_back_to_profile():

@@ -15,7 +15,7 @@ from semkv.evaluation.essays import haystack
 from semkv.models import Runtime, adapter_for
 from semkv.models.gemma3 import Gemma3Adapter
 from semkv.request import GenerateRequest
-from tests.conftest import tiny_hf_model
+from tests.conftest import require_embedded, tiny_hf_model
 
 
 def _runtime(model) -> Runtime:
@@ -76,6 +76,7 @@ def test_window_layer_ignores_keys_beyond_the_window(tokenizer):
 @pytest.fixture(scope="module")
 def gemma3_engine():
     """`Engine.from_pretrained(model="gemma3-270m")` (converted once into the default home; no disk store)."""
+    require_embedded("gemma3-270m")
     torch.set_num_threads(2)
     engine = Engine.from_pretrained(model="gemma3-270m", store=StoreConfig(disk=False))
     yield engine

@@ -59,15 +59,23 @@ def test_smollm2_matches_hf(smollm2):
     _check_exact(smollm2.hf_model, ids)
 
 
-def test_scattered_queries_never_see_later_keys(tokenizer):
-    """Attention masks come from positions: rows stored out of order still attend causally."""
+@pytest.mark.parametrize("last", [10, 0, 19])
+def test_scattered_queries_never_see_later_keys(tokenizer, last):
+    """Attention masks come from positions, not row order: the 20 tokens are prefilled in ONE pass with
+    their rows shuffled (each at its true position) and the row of position ``last`` placed last, so
+    keys at later positions sit in earlier rows and are computed in the same pass. The logits of that
+    row must be HF's at position ``last`` (an in-order causal mask over rows would let it see them)."""
     model = tiny_hf_model("llama", len(tokenizer))
     runtime = _runtime(model)
     ids = torch.randint(0, len(tokenizer), (20,), generator=torch.Generator().manual_seed(3))
-    ordered = runtime.new_cache(20)
-    reference = runtime.prefill(ordered, ids.tolist())
-    shuffled = runtime.new_cache(20)
-    # last token first in row order, at its true position; then the rest
-    runtime.prefill(shuffled, ids[:19].tolist())
-    out = runtime.prefill(shuffled, ids[19:].tolist(), positions=torch.tensor([19]))
-    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        reference = model(ids[None]).logits[0]
+    others = [
+        p for p in torch.randperm(20, generator=torch.Generator().manual_seed(last)).tolist() if p != last
+    ]
+    order = torch.tensor(others + [last])
+    assert int(order[0]) > last or last == 19  # a later key is the very first row
+    cache = runtime.new_cache(20)
+    logits = runtime.prefill(cache, ids[order].tolist(), positions=order)
+    torch.testing.assert_close(logits, reference[last], atol=1e-4, rtol=0)
+    assert torch.equal(cache.positions[:20], order)  # the rows really are scattered

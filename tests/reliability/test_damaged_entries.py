@@ -5,7 +5,7 @@ payload byte, a flipped header byte that keeps the JSON valid (block size 4 -> 5
 digit), truncation to half and to zero bytes, a wrong magic, an absurd header length, a well-formed
 file of an older format version, a valid entry of another key copied under this name, a payload with
 a correct checksum that is not safetensors, and random garbage. Then a fresh engine (empty memory
-tier, same home — like a new process) serves the same prompt.
+tier, same home — like a new process) serves the same prompt by prefix reuse.
 
 Must happen: the damaged block is a counted miss (disk ``corrupt`` +1, no hit for it), blocks 0-4
 are still reused and the rest recomputed, the generation equals a cache-less run token for token
@@ -17,6 +17,7 @@ and a read refused with EACCES — are misses with an error counted and identica
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
@@ -24,6 +25,7 @@ import struct
 import pytest
 import torch
 
+from semkv.store import tiers
 from semkv.store.entry import MAGIC, decode
 from semkv.store.tiers import DiskTier
 from tests.conftest import tiny_hf_model
@@ -148,7 +150,7 @@ def test_damaged_block_is_a_counted_miss_and_quarantined(pristine, tmp_path, tok
     target.write_bytes(damaged)
 
     engine = engine_at(home, tokenizer, model)
-    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, reuse="prefix")
     assert_same_as_reference(g, reference)
     assert g.stats["reused_tokens"] == DAMAGED_BLOCK * 4  # blocks before the damage still reused
     stats = engine.store.tier("disk").stats
@@ -163,7 +165,7 @@ def test_damaged_block_is_a_counted_miss_and_quarantined(pristine, tmp_path, tok
         if key != keys[DAMAGED_BLOCK]:
             assert disk.path(key).read_bytes() == before[key]
 
-    again = engine_at(home, tokenizer, model).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    again = engine_at(home, tokenizer, model).generate(PROMPT, max_new_tokens=NEW_TOKENS, reuse="prefix")
     assert again.stats["reused_tokens"] == len(keys) * 4 - (
         1 if len(keys) * 4 == g.stats["prompt_tokens"] else 0
     )
@@ -179,7 +181,7 @@ def test_directory_in_place_of_an_entry_is_a_miss(pristine, tmp_path, tokenizer)
     (target / "junk").write_bytes(b"x")
 
     engine = engine_at(home, tokenizer, model)
-    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, reuse="prefix")
     assert_same_as_reference(g, reference)
     assert g.stats["reused_tokens"] == DAMAGED_BLOCK * 4
     assert engine.store.tier("disk").stats.errors >= 1
@@ -202,7 +204,7 @@ def test_read_refused_is_a_miss_and_nothing_is_removed(pristine, tmp_path, token
 
     monkeypatch.setattr(DiskTier, "read_file", read_file)
     engine = engine_at(home, tokenizer, model)
-    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, reuse="prefix")
     assert_same_as_reference(g, reference)
     assert g.stats["reused_tokens"] == DAMAGED_BLOCK * 4
     disk_stats = engine.store.tier("disk").stats
@@ -211,11 +213,33 @@ def test_read_refused_is_a_miss_and_nothing_is_removed(pristine, tmp_path, token
     assert not (home / "store" / "quarantine").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_mode_is_a_miss(pristine, tmp_path, tokenizer):
+def test_unreadable_file_mode_is_a_miss(pristine, tmp_path, tokenizer, monkeypatch):
+    """A file whose mode forbids reading: open() fails with EACCES. Root reads any file, so for root the
+    kernel's check is applied at the disk tier's open call (a file with no read bit raises EACCES there);
+    for other users the kernel refuses by itself. Either way: a miss with an error counted, identical
+    output, and the file left in place untouched (it is not damaged data)."""
     model, _, reference, keys = pristine
-    home, disk, _ = fresh_home(pristine, tmp_path)
-    disk.path(keys[DAMAGED_BLOCK]).chmod(0)
-    g = engine_at(home, tokenizer, model).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    home, disk, before = fresh_home(pristine, tmp_path)
+    unreadable = disk.path(keys[DAMAGED_BLOCK])
+    unreadable.chmod(0)
+    refused: list[str] = []
+    if os.geteuid() == 0:
+        real_open = open
+
+        def open_as_a_user(file, mode="r", *args, **kwargs):
+            if "r" in mode and os.stat(file).st_mode & 0o444 == 0:
+                refused.append(str(file))
+                raise PermissionError(errno.EACCES, "Permission denied", str(file))
+            return real_open(file, mode, *args, **kwargs)
+
+        monkeypatch.setattr(tiers, "open", open_as_a_user, raising=False)
+    engine = engine_at(home, tokenizer, model)
+    g = engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, reuse="prefix")
     assert_same_as_reference(g, reference)
     assert g.stats["reused_tokens"] == DAMAGED_BLOCK * 4
+    disk_stats = engine.store.tier("disk").stats
+    assert disk_stats.errors == 1 and disk_stats.corrupt == 0
+    assert refused == ([str(unreadable)] if os.geteuid() == 0 else [])
+    unreadable.chmod(0o600)
+    assert unreadable.read_bytes() == before[keys[DAMAGED_BLOCK]]
+    assert not (home / "store" / "quarantine").exists()

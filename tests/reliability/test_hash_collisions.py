@@ -26,8 +26,9 @@ from semkv.store.keys import EntryKey, EntryKind, prefix_block_keys
 from tests.conftest import tiny_hf_model
 from tests.reliability.reliability_helpers import FP, engine_at, small_entry
 
-PROMPT_A = "Alpha said: the quick brown fox jumps over the lazy dog and runs home."
-PROMPT_B = "Omega said: the quick brown fox jumps over the lazy dog and runs home."
+# one token apart (a single letter): the blocks after the differing one hold equal token ids
+PROMPT_A = "Q said: the quick brown fox jumps over the lazy dog and runs home."
+PROMPT_B = "Z said: the quick brown fox jumps over the lazy dog and runs home."
 
 
 @pytest.fixture(scope="module")

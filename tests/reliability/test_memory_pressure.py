@@ -116,7 +116,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.step()
         key = data.draw(st.sampled_from(sorted(self.written)))
         if self.pins[key]:
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="cannot delete pinned entry"):
                 self.store.delete(key)
             return
         self.store.delete(key)
@@ -197,13 +197,16 @@ PROMPTS = [
 def test_long_workload_with_a_five_block_budget(tmp_path, tokenizer):
     model = tiny_hf_model("llama", len(tokenizer))
     ref_engine = engine_at(tmp_path / "ref", tokenizer, model, disk=False)
-    refs = {p: ref_engine.generate(p, max_new_tokens=1, reuse="none", store_prompt=False) for p in PROMPTS}
+    refs = {
+        p: ref_engine.generate(p, max_new_tokens=1, reuse="none", store_prompt=False, use_chat_template=False)
+        for p in PROMPTS
+    }
     block_bytes = 2 * 2 * 4 * 16 * 4 * 2  # layers * kv heads * tokens * head dim * fp32 * (k, v)
     engine = engine_at(tmp_path / "home", tokenizer, model, disk=False, memory_bytes=5 * block_bytes)
     memory = engine.store.memory
     reused = 0
     for p in PROMPTS * 2:
-        g = engine.generate(p, max_new_tokens=1)
+        g = engine.generate(p, max_new_tokens=1, use_chat_template=False)  # a few blocks per prompt
         assert g.token_ids == refs[p].token_ids
         torch.testing.assert_close(g.first_logits, refs[p].first_logits, atol=1e-5, rtol=0)
         memory.check_invariants()

@@ -86,7 +86,7 @@ def test_foreign_entries_are_never_reused(owner, tmp_path, tokenizer, monkeypatc
     assert engine.fingerprint != engine_at(tmp_path / "a", tokenizer, model).fingerprint or name.startswith(
         "block"
     )
-    g = engine.generate(PROMPT, max_new_tokens=2)
+    g = engine.generate(PROMPT, max_new_tokens=2, reuse="prefix")  # the prefix blocks are what is tested
     assert g.stats["reused_tokens"] == 0
     assert engine.store.stats.hits == 0 and engine.store.stats.mismatches > 0
     assert g.token_ids == ref.token_ids

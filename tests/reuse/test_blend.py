@@ -7,6 +7,8 @@ a model deeper than 2 layers exercises the selective part.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -148,11 +150,13 @@ def test_bad_input(make_tiny_engine, tokenizer):
             engine.generate(QUESTION, chunks=DOCS, reuse="blend", recompute_ratio=bad)
         with pytest.raises(ValueError, match="recompute_ratio"):
             BlendConfig(recompute_ratio=bad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="check_layer must be an int >= 1"):
         BlendConfig(check_layer=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="deviation_on must be 'k', 'v' or 'kv'"):
         GenerateRequest(prompt="x", blend={"deviation_on": "q"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sink must be one of"):
+        BlendConfig(sink="eos")
+    with pytest.raises(ValueError, match="not one string"):
         engine.add_chunks("one string")
     with pytest.raises(ValueError, match="empty"):
         engine.add_chunks([DOCS[0], ""])
@@ -203,3 +207,135 @@ def test_smollm2_blend(make_smol_engine):
     half, stats = _first_logits(engine, DOCS, reuse="blend", recompute_ratio=0.3)
     assert 0 < stats["blend_selected_tokens"] < stats["blend_cached_tokens"]
     assert logit_kl(full, half) <= logit_kl(full, zero)
+
+
+# -- blend options: check layer, deviation_on, gradual, sink ------------------------------------------------
+def _blend_seq(engine: Engine, chunks, **blend):
+    request = GenerateRequest(
+        prompt=QUESTION, chunks=chunks, max_new_tokens=1, reuse="blend", store_prompt=False, blend=blend
+    )
+    seq = engine.prefill(request)
+    assert seq.outcome.path == "blend" and seq.outcome.info["chunk_hits"] == len(chunks)
+    return seq
+
+
+def _full_seq(engine: Engine, chunks):
+    return engine.prefill(
+        GenerateRequest(prompt=QUESTION, chunks=chunks, max_new_tokens=1, reuse="none", store_prompt=False)
+    )
+
+
+def _chunk_rows(engine: Engine, layout) -> list[tuple[int, int, object]]:
+    """(row, row within its chunk, stored chunk entry) of every cached chunk row of ``layout``."""
+    rows = []
+    for seg, start, end in layout.chunk_spans():
+        entry = engine.store.get(chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK)
+        rows += [(start + i, i, entry) for i in range(end - start)]
+    return rows
+
+
+def _rows_holding_reused_kv(seq, rows, layer: int) -> set[int]:
+    """Rows whose KV at ``layer`` is still exactly the stored chunk's (never recomputed there)."""
+    return {
+        row
+        for row, i, entry in rows
+        if torch.equal(seq.cache.k_pre[layer][:, row], entry.k[layer][:, i])
+        and torch.equal(seq.cache.v[layer][:, row], entry.v[layer][:, i])
+    }
+
+
+@pytest.mark.parametrize("check_layer", [1, 2, 3])
+def test_check_layer_recomputes_every_row_up_to_it(make_tiny_engine, tokenizer, check_layer):
+    """Layers up to the check layer see every row fresh (their KV equals full prefill's); after it only
+    the selected rows are recomputed, the others keep the stored chunk KV. At the last layer (3 of 4)
+    the check changes nothing: the blend is full prefill."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama", layers=4)
+    engine.add_chunks(DOCS)
+    ratio = 0.3
+    blend, full = (
+        _blend_seq(engine, DOCS, recompute_ratio=ratio, check_layer=check_layer),
+        _full_seq(engine, DOCS),
+    )
+    assert blend.outcome.info["check_layer"] == check_layer
+    n = len(blend.layout)
+    for layer in range(check_layer + 1):
+        torch.testing.assert_close(
+            blend.cache.k_pre[layer][:, :n], full.cache.k_pre[layer][:, :n], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(blend.cache.v[layer][:, :n], full.cache.v[layer][:, :n], atol=1e-5, rtol=0)
+    rows = _chunk_rows(engine, blend.layout)
+    selected = math.ceil(ratio * len(rows))
+    assert blend.outcome.info["blend_selected_tokens"] == selected
+    for layer in range(check_layer + 1, engine.num_layers):
+        assert len(_rows_holding_reused_kv(blend, rows, layer)) == len(rows) - selected
+    if check_layer == engine.num_layers - 1:
+        torch.testing.assert_close(blend.first_logits, full.first_logits, atol=1e-4, rtol=0)
+    else:
+        assert (blend.first_logits - full.first_logits).abs().max() > 1e-3
+
+
+def test_deviation_on_ranks_rows_by_keys_values_or_both(make_tiny_engine, tokenizer):
+    """At the check layer the selected cached rows are the ones whose fresh KV (= full prefill's there)
+    deviates most from the stored chunk KV, measured on K, V or both."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama", layers=4)
+    engine.add_chunks(DOCS)
+    full = _full_seq(engine, DOCS)
+    chosen = {}
+    for on in ("k", "v", "kv"):
+        blend = _blend_seq(engine, DOCS, recompute_ratio=0.2, check_layer=1, deviation_on=on)
+        rows = _chunk_rows(engine, blend.layout)
+        dk = {r: float((full.cache.k_pre[1][:, r] - e.k[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
+        dv = {r: float((full.cache.v[1][:, r] - e.v[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
+        deviation = {r: (dk[r] if on == "k" else dv[r] if on == "v" else dk[r] + dv[r]) ** 0.5 for r in dk}
+        picked = set(blend.outcome.info["recomputed_rows"]) & set(deviation)
+        assert len(picked) == math.ceil(0.2 * len(rows))
+        left = set(deviation) - picked
+        assert min(deviation[r] for r in picked) >= max(deviation[r] for r in left) - 1e-4, on
+        chosen[on] = picked
+    assert chosen["k"] != chosen["v"]  # the three measures really rank differently here
+
+
+@pytest.mark.parametrize("gradual", [False, True])
+def test_gradual_filtering_narrows_over_three_layers(make_tiny_engine, tokenizer, gradual):
+    """gradual=True keeps 2r of the cached rows after the check layer, 1.5r after the next, r from the
+    one after; without it, r from the check layer on (counted as rows recomputed per layer)."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama", layers=6)
+    engine.add_chunks(DOCS)
+    ratio = 0.2
+    blend = _blend_seq(engine, DOCS, recompute_ratio=ratio, check_layer=1, gradual=gradual)
+    rows = _chunk_rows(engine, blend.layout)
+    recomputed = [len(rows) - len(_rows_holding_reused_kv(blend, rows, layer)) for layer in range(2, 6)]
+    fractions = (2 * ratio, 1.5 * ratio, ratio, ratio) if gradual else (ratio,) * 4
+    assert recomputed == [math.ceil(f * len(rows)) for f in fractions]
+    assert blend.outcome.info["blend_selected_tokens"] == math.ceil(ratio * len(rows))
+
+
+@pytest.mark.parametrize("sink", ["bos", "template", "none"])
+def test_sink_mode_decides_what_a_chunk_is_computed_after(make_tiny_engine, tokenizer, sink):
+    """A chunk's stored KV is its rows of a prefill after the sink tokens (BOS, the chat template's
+    prefix, or nothing), the sink's own rows dropped; a chunk stored with another sink is a miss for a
+    request with this one, recomputed and stored again with its sink."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama", layers=2)
+    expected_sink = {
+        "none": [],
+        "bos": [tokenizer.bos_token_id],
+        "template": engine.layout(GenerateRequest(prompt="x")).segments[0].token_ids,
+    }[sink]
+    assert sink == "none" or expected_sink
+    (key,) = engine.add_chunks(DOCS[:1], BlendConfig(sink=sink))
+    ids = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]
+    entry = engine.store.get(key, ids, EntryKind.CHUNK)
+    assert entry.meta["sink_tokens"] == len(expected_sink)
+    cache = engine.runtime.new_cache(len(expected_sink) + len(ids))
+    engine.runtime.prefill(cache, expected_sink + ids)
+    k, v = cache.export(len(expected_sink), len(expected_sink) + len(ids))
+    torch.testing.assert_close(entry.k, k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entry.v, v, atol=1e-5, rtol=0)
+
+    other = "none" if sink != "none" else "bos"
+    _, stats = _first_logits(engine, DOCS[:1], reuse="blend", blend={"sink": other}, store_prompt=True)
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (0, 1)
+    assert engine.store.get(key, ids, EntryKind.CHUNK).meta["sink_tokens"] == (1 if other == "bos" else 0)
+    puts = engine.store.stats.puts
+    assert engine.add_chunks(DOCS[:1], BlendConfig(sink=other)) == [key]
+    assert engine.store.stats.puts == puts  # found under its new sink: not computed again

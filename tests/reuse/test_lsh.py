@@ -131,12 +131,20 @@ def test_index_built_with_other_settings_starts_empty(tmp_path):
     assert len(PromptIndex(IndexConfig(num_hashes=32, bands=16), tmp_path)) == 0
 
 
-@pytest.mark.parametrize("bad", [dict(bits=0), dict(bits=63), dict(position_features=3), dict(tables=0)])
-def test_simhash_config_validation(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(bits=0), "bits must be in"),
+        (dict(bits=63), "bits must be in"),
+        (dict(position_features=3), "position_features must be even"),
+        (dict(tables=0), "tables must be >= 1"),
+    ],
+)
+def test_simhash_config_validation(bad, message):
+    with pytest.raises(ValueError, match=message):
         SimHashConfig(**bad)
 
 
 def test_index_config_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"bands \(7\) must divide num_hashes \(64\)"):
         IndexConfig(num_hashes=64, bands=7)

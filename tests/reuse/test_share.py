@@ -4,11 +4,14 @@ equals an exact hit, an unrelated prompt is refused and fully prefilled."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from semkv.evaluation.essays import haystack
+from semkv.evaluation.metrics import logit_kl
 from semkv.models.adapters import apply_rope
 from semkv.request import GenerateRequest
 from semkv.reuse.options import ShareConfig
@@ -100,11 +103,17 @@ def test_share_config_schedules_and_validation():
     decay = ShareConfig(first_ratio=0.4, decay=0.5, min_ratio=0.05).ratios(6)
     assert decay == {1: 0.4, 2: 0.2, 3: 0.1, 4: 0.05, 5: 0.05}
     assert ShareConfig(schedule="constant", constant_ratio=0.1).ratios(3) == {1: 0.1, 2: 0.1}
-    for bad in (dict(first_ratio=1.5), dict(schedule="linear"), dict(unmatched="keep"), dict(decay=0)):
-        with pytest.raises(ValueError):
+    for bad, message in (
+        (dict(first_ratio=1.5), "first_ratio must be in"),
+        (dict(schedule="linear"), "schedule must be 'exponential' or 'constant'"),
+        (dict(unmatched="keep"), "unmatched must be 'recompute' or 'drop'"),
+        (dict(decay=0), "decay must be in"),
+        (dict(min_match_rate=-0.1), "min_match_rate must be in"),
+    ):
+        with pytest.raises(ValueError, match=message):
             ShareConfig(**bad)
     assert GenerateRequest(prompt="x", share={"min_tokens": 8}).share.min_tokens == 8
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="share must be a ShareConfig or a dict"):
         GenerateRequest(prompt="x", share=3)
 
 
@@ -189,9 +198,12 @@ def test_rearranged_kv_lands_at_new_positions(engine4, doc):
     """With nothing recomputed after layer 1, every reused row from layer 2 on holds the reference's
     pre-RoPE K/V of its matched token, rotated to the row's new position."""
     engine = engine4
-    paragraphs = doc.split(". ")
-    reference = "Summarise:\n\n" + ". ".join(paragraphs)
-    moved = "Summarise:\n\n" + ". ".join(paragraphs[3:] + paragraphs[:3])
+    sentences = doc.split(". ")
+    half = len(sentences) // 2
+    assert half >= 1
+    reference = "Summarise:\n\n" + ". ".join(sentences)
+    moved = "Summarise:\n\n" + ". ".join(sentences[half:] + sentences[:half])  # the halves swapped
+    assert moved != reference
     engine.generate(prompt=reference, max_new_tokens=1)
     config = ShareConfig(first_ratio=0.0, min_ratio=0.0, scattered="reuse", recompute_last=1)
     request = GenerateRequest(prompt=moved, max_new_tokens=1, reuse="share", share=config)
@@ -236,19 +248,51 @@ def test_auto_prefers_exact_prefix_when_it_reuses_more(make_tiny_engine, doc):
     assert changed.stats["reused_tokens"] > changed.stats["prompt_tokens"] // 2
 
 
-def test_elimination_drops_unmatched_rows(engine4, doc, tokenizer):
+def test_elimination_drops_unmatched_rows(engine4, doc):
+    """unmatched="drop": the cache holds the exact prefix, every matched token and the last token, at
+    their own positions, and nothing of the unmatched ones; decoding goes on after the last position."""
     reference, _ = _paraphrase(doc)
     engine4.generate(prompt=reference, max_new_tokens=1)
     target = "Write one sentence about this essay's key idea, in plain words.\n\n" + doc
-    shared = engine4.generate(
+    request = GenerateRequest(
         prompt=target,
-        max_new_tokens=1,
+        max_new_tokens=2,
         reuse="share",
         share=ShareConfig(unmatched="drop"),
         store_prompt=False,
     )
-    assert shared.stats["path"] == "share" and shared.stats["share_dropped"] > 0
-    assert shared.stats["share_unmatched"] == "drop"
+    seq = engine4.prefill(request)
+    assert seq.plan.path == "share", seq.refusals
+    ids, source = seq.layout.token_ids, seq.plan.match.source
+    n = len(ids)
+    prefix = min(seq.plan.match.exact_prefix, n - 1)
+    kept = list(range(prefix)) + [p for p in range(prefix, n) if source[p] >= 0 or p == n - 1]
+    dropped = sorted(set(range(n)) - set(kept))
+    assert dropped and all(source[p] < 0 for p in dropped)
+    assert seq.cache.length == len(kept) and seq.cache.positions[: len(kept)].tolist() == kept
+    assert seq.cache.token_ids == [ids[p] for p in kept]
+    stats = engine4.finish(seq).stats
+    assert stats["share_dropped"] == len(dropped) and stats["share_unmatched"] == "drop"
+    engine4.decode_step(seq)
+    assert int(seq.cache.positions[seq.cache.length - 1]) == n  # the next token sits after the prompt
+    recomputed = engine4.prefill(replace(request, share=ShareConfig(unmatched="recompute")))
+    assert recomputed.cache.length == n and recomputed.cache.positions[:n].tolist() == list(range(n))
+
+
+def test_min_match_rate_refuses_a_reference_aligned_below_it(engine4, doc):
+    reference, target = _paraphrase(doc)
+    engine4.generate(prompt=reference, max_new_tokens=1)
+    options = dict(prompt=target, max_new_tokens=1, reuse="share", store_prompt=False)
+    served = engine4.generate(**options)
+    rate = served.stats["share_aligned_rate"]
+    assert served.stats["path"] == "share" and ShareConfig().min_match_rate <= rate < 1.0
+    at_rate = engine4.generate(**options, share=ShareConfig(min_match_rate=rate))
+    assert at_rate.stats["path"] == "share"  # refused only below the rate
+    above = ShareConfig(min_match_rate=min(1.0, rate + 0.005))
+    refused = engine4.generate(**options, share=above)
+    assert refused.stats["path"] == "prefix" and refused.stats["reused_tokens"] < 32  # the template only
+    reason = refused.stats["refused"]["share"]
+    assert f"aligned match rate {rate:.3f} < min_match_rate {above.min_match_rate}" in reason
 
 
 def test_prompts_are_remembered_with_signatures_and_survive_a_restart(make_tiny_engine, tokenizer, doc):
@@ -309,20 +353,24 @@ def test_scattered_matches_can_be_forced_into_recompute(engine4, doc):
 
 
 @pytest.mark.real_model
-def test_smollm2_paraphrase_served_by_share(make_smol_engine, tokenizer):
-    """On the real model: recompute-everything reproduces full prefill; the default schedule keeps the
-    first token of a paraphrased request (changed instruction, same document) and a small KL."""
+def test_smollm2_paraphrase_served_by_share(make_smol_engine):
+    """On the real model: recompute-everything (through the share path) reproduces full prefill; the
+    default schedule keeps the first token of a paraphrased request (changed instruction, same document)
+    and a small KL."""
     engine = make_smol_engine(kv_dtype="float32")
-    doc = haystack(tokenizer, 200, start_essay=5)
+    doc = haystack(engine.tokenizer, 200, start_essay=5)
     engine.generate(prompt="Summarise the following essay.\n\n" + doc, max_new_tokens=1)
     target = "Write a two-sentence summary of this essay.\n\n" + doc
     full = engine.generate(prompt=target, max_new_tokens=1, reuse="none", store_prompt=False)
     every = ShareConfig(schedule="constant", constant_ratio=1.0)
     exact = engine.generate(prompt=target, max_new_tokens=1, reuse="share", share=every, store_prompt=False)
+    s = exact.stats
+    assert s["path"] == "share", s["refused"]
+    computed = s["share_layer_rows"][0]
+    assert computed == s["prompt_tokens"] - s["share_exact_prefix"] > 0.5 * s["prompt_tokens"]
+    assert s["share_layer_rows"] == [computed] * engine.num_layers  # every row recomputed at every layer
     torch.testing.assert_close(exact.first_logits, full.first_logits, atol=2e-3, rtol=1e-3)
     shared = engine.generate(prompt=target, max_new_tokens=1, reuse="share", store_prompt=False)
     assert shared.stats["path"] == "share" and shared.stats["share_recompute_fraction"] < 0.3
     assert int(shared.first_logits.argmax()) == int(full.first_logits.argmax())
-    log_p = torch.log_softmax(full.first_logits, -1)
-    kl = float((log_p.exp() * (log_p - torch.log_softmax(shared.first_logits, -1))).sum())
-    assert kl < 0.1
+    assert logit_kl(full.first_logits, shared.first_logits) < 0.1

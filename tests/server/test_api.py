@@ -142,10 +142,12 @@ def test_server_defaults_and_overrides(tiny_app):
         assert c.post("/v1/completions", json=request).json()["semkv"]["path"] == "full"
         override = {**request, "semkv": {"reuse": "prefix"}}
         assert c.post("/v1/completions", json=override).json()["semkv"]["path"] == "prefix"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid server defaults: unknown reuse mode 'bogus'"):
         ServerConfig(defaults={"reuse": "bogus"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"server defaults cannot set \['max_new_tokens'\]"):
         ServerConfig(defaults={"max_new_tokens": 3})
+    with pytest.raises(ValueError, match="unknown engine options"):
+        ServerConfig(defaults={"speed": "fast"})
 
 
 def test_openai_client(client):

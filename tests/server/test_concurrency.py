@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 
 from semkv.server import ServerConfig
+from tests.conftest import tiny_hf_model
 
 TINY = "tiny"
 TOPICS = [
@@ -33,12 +34,15 @@ SHARED = "You are a helpful assistant who answers questions about the weather in
 
 
 @pytest.fixture
-def live_server(tiny_app):
-    """start(config=None) -> base URL of a uvicorn server over a tiny app, on a free loopback port."""
+def live_server(tiny_app, tokenizer):
+    """start(config=None) -> base URL of a uvicorn server over a tiny app, on a free loopback port.
+
+    The tiny model's weights are drawn 5x wider than the default so its greedy output depends on the
+    prompt (with the default init and a small vocabulary, distinct prompts can all give one output)."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(config: ServerConfig | None = None) -> str:
-        app = tiny_app(config)
+        app = tiny_app(config, hf_model=tiny_hf_model("llama", len(tokenizer), initializer_range=0.1))
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

@@ -27,5 +27,5 @@ def test_damaged_record_is_ignored(tmp_path, caplog):
 
 
 def test_record_must_match_its_text():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="does not match its text"):
         Document(document_id("one"), "two", 1)

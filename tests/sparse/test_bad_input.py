@@ -47,26 +47,32 @@ def test_defaults_are_dense():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs, message",
     [
-        {"head_pool": "median"},
-        {"page_scorer": "bm25"},
-        {"hierarchy": (0.1, 0.2, 0.5)},
-        {"hierarchy": (0.5, 0.2, 0.0)},
-        {"anchor_tokens": 0},
-        {"pages_per_chunk": 0},
+        ({"head_pool": "median"}, "head_pool must be one of"),
+        ({"page_scorer": "bm25"}, "page_scorer must be one of"),
+        ({"hierarchy": (0.1, 0.2, 0.5)}, "hierarchy ratios must satisfy"),
+        ({"hierarchy": (0.5, 0.2, 0.0)}, "hierarchy ratios must satisfy"),
+        ({"anchor_tokens": 0}, "anchor_tokens, pages_per_chunk and chunks_per_grid must be >= 1"),
+        ({"pages_per_chunk": 0}, "anchor_tokens, pages_per_chunk and chunks_per_grid must be >= 1"),
     ],
 )
-def test_bad_keykey_settings(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_keykey_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         KeyKeyPolicy(**kwargs)
 
 
 def test_bad_quest_and_config():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="aggregate must be one of"):
         QuestPolicy(aggregate="sum")
-    for kwargs in ({"sink_blocks": -1}, {"window_tokens": 0}, {"resident_factor": 0.5}, {"kv_budget": 2.0}):
-        with pytest.raises(ValueError):
+    for kwargs, message in (
+        ({"sink_blocks": -1}, "sink_blocks must be >= 0"),
+        ({"window_tokens": 0}, "window_tokens must be >= 1"),
+        ({"resident_factor": 0.5}, "resident_factor must be >= 1"),
+        ({"kv_budget": 2.0}, r"kv_budget as a fraction must be in \(0, 1\]"),
+        ({"dense_layers": (-1,)}, "dense_layers must be layer indices"),
+    ):
+        with pytest.raises(ValueError, match=message):
             SparseConfig(**kwargs)
 
 

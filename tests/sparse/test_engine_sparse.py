@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from semkv.request import GenerateRequest
+from semkv.sparse import Budget, SparseConfig, SparseDecoder, make_policy
+
 PROMPT = " ".join(f"word{i} is number {i * 7 % 13}." for i in range(40))
 
 
@@ -20,30 +23,59 @@ def _gen(engine, **kw):
 
 @pytest.mark.parametrize("policy", ["keykey", "h2o"])
 def test_full_budget_matches_dense(make_tiny_engine, policy):
+    """kv_budget=1.0 through ``generate`` takes the dense shortcut (every step attends the whole cache);
+    the same budget forced through the fast tier's gather path (a decoder with dense_when_covered=False,
+    decoding a fork of the prefill) selects every candidate block and still gives the dense tokens."""
     engine = make_tiny_engine("llama", block_size=4)
     dense = _gen(engine)
-    sparse = _gen(engine, sparse=policy, kv_budget=1.0)
-    assert sparse.token_ids == dense.token_ids
-    assert sparse.stats["sparse_policy"] == policy
+    shortcut = _gen(engine, sparse=policy, kv_budget=1.0)
+    assert shortcut.token_ids == dense.token_ids
+    assert shortcut.stats["sparse_policy"] == policy
+    assert shortcut.stats["bytes_loaded"] == 0  # the shortcut gathers nothing
+    request = GenerateRequest(
+        prompt=PROMPT, max_new_tokens=8, stop_at_eos=False, reuse="none", store_prompt=False
+    )
+    decoder = SparseDecoder(make_policy(policy), SparseConfig(1.0, dense_when_covered=False), 4)
+    seq = engine.fork(engine.prefill(request, capture_queries=True), sparse=decoder)
+    engine.decode(seq)
+    gathered = engine.finish(seq)
+    assert gathered.token_ids == dense.token_ids
+    assert gathered.stats["bytes_loaded"] > 0 and len(decoder.records) == 7
+    for record in decoder.records:  # every layer selected every candidate block
+        candidates = (record.context_tokens - SparseConfig().window_tokens) // 4 - 1
+        assert all(len(selected) == candidates for selected in record.selected)
 
 
 def test_small_budget_reports_stats(make_tiny_engine):
+    """Exact figures at budget 0.1 (block 4, 2 layers, 2 KV heads, d 16, KV float32: 1,024 bytes per block
+    of one layer): blocks selected per step = the budget of each step's context; Key-Key stats present;
+    for StreamingLLM, whose selection is known in advance (the latest candidate blocks), the bytes moved
+    and resident too."""
     engine = make_tiny_engine("llama", block_size=4)
+    layer_block = 2 * 2 * 4 * 16 * 4
     g = _gen(engine, sparse="keykey", kv_budget=0.1)
     stats = g.stats
-    for key in (
-        "blocks_selected_per_step",
-        "resident_kv_bytes",
-        "bytes_loaded",
-        "blocks_loaded_per_step",
-        "select_s",
-        "select_share",
-    ):
-        assert key in stats, key
-    prompt_blocks = stats["prompt_tokens"] // 4
-    assert 0 < stats["blocks_selected_per_step"] < prompt_blocks / 4
-    assert stats["bytes_loaded"] > 0 and stats["resident_kv_bytes"] > 0
+    n = stats["prompt_tokens"]
+    lengths = [n + 1 + step for step in range(7)]  # the cache at each of the 7 decode steps (new row in)
+    budgets = [Budget(0.1).blocks(length, 4) for length in lengths]
+    assert stats["sparse_steps"] == 7 and stats["kv_budget"] == 0.1
+    assert stats["blocks_selected_per_step"] == pytest.approx(sum(budgets) / 7)
+    assert stats["select_s"] > 0 and 0 < stats["select_share"] < 1
+    assert stats["bytes_loaded"] % layer_block == 0 and stats["resident_kv_bytes"] % layer_block == 0
     assert "sparse_policy" not in _gen(engine).stats  # dense is the default
+
+    streaming = _gen(engine, sparse="streaming", kv_budget=0.1).stats
+    window = SparseConfig().window_tokens
+    selected = []  # the latest `budget` candidate blocks, just before the window
+    for length, budget in zip(lengths, budgets, strict=True):
+        first_window_block = (length - window) // 4
+        selected.append(set(range(first_window_block - budget, first_window_block)))
+    copies = len(selected[0]) + sum(
+        len(now - before) for before, now in zip(selected, selected[1:], strict=False)
+    )
+    assert streaming["bytes_loaded"] == 2 * copies * layer_block  # a per-step policy copies to both layers
+    assert streaming["resident_kv_bytes"] == 2 * len(selected[-1]) * layer_block
+    assert streaming["blocks_selected_per_step"] == pytest.approx(sum(budgets) / 7)
 
 
 @pytest.mark.real_model

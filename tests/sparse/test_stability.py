@@ -38,7 +38,14 @@ def test_new_blocks_join_without_history():
     torch.testing.assert_close(got, torch.tensor([1.0, 0.5]))
 
 
-@pytest.mark.parametrize("kwargs", [{"window": 0}, {"threshold": 1.5}, {"keep_at": -0.1}])
-def test_bad_settings(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"window": 0}, "stability window must be >= 1"),
+        ({"threshold": 1.5}, "threshold and keep_at must be in"),
+        ({"keep_at": -0.1}, "threshold and keep_at must be in"),
+    ],
+)
+def test_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         StabilityFilter(**kwargs)

@@ -216,6 +216,6 @@ def test_circuit_breaker_backoff_doubles_and_half_opens():
 def test_invalid_settings_fail_early():
     with pytest.raises(ValueError, match="Redis URL"):
         RedisTier("http://localhost:6379")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
         RedisTier("redis://localhost:1/0", timeout_s=0)
     assert redact("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"

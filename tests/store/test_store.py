@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from semkv.store import (
     prompt_key,
 )
 from semkv.store.entry import CorruptEntry
-from semkv.store.keys import hash_fields
+from semkv.store.keys import hash_fields, prefix_digests
 
 FP = "f" * 64
 
@@ -37,13 +39,45 @@ def entry(tokens: list[int], kind: EntryKind = EntryKind.CHUNK, fp: str = FP, la
 
 
 def test_keys_are_typed_and_stable():
-    assert chunk_key(FP, [1, 2, 3]) == chunk_key(FP, [1, 2, 3])
     assert chunk_key(FP, [1, 2, 3]) != prompt_key(FP, [1, 2, 3])  # kind is part of the key
     assert chunk_key(FP, [1, 2, 3]) != chunk_key("e" * 64, [1, 2, 3])  # fingerprint is part of the key
     assert chunk_key(FP, [12, 3]) != chunk_key(FP, [1, 23])
     assert hash_fields("1") != hash_fields(1)  # str vs int never collide
-    # a pinned value: the key function must not drift silently between versions
-    assert chunk_key(FP, [1, 2, 3]) == hash_fields(1, "chunk", FP, [1, 2, 3])
+    assert hash_fields(None) != hash_fields("") != hash_fields([])
+
+
+# Today's keys, pinned: a drift in hashing orphans every entry already stored on disk or in Redis.
+PINNED_KEYS = {
+    "chunk": "425729f19fecbf91a83378dacbc6d82658232f9524973b687205b1d3c4a3fca9",
+    "prompt": "009f83c147aa5d3ff082dba27a9702989374aa807bb362d5b5a0bbaa294951dc",
+    "block0": "6fa98ae835a2b03c97a7859c61f5aa68428154bf924243d682ef0eb09b744899",
+    "block1": "30a899254ca4aece11a0a2e1810a717b2ed425902511c1d7a87b202c00e89464",
+    "fields": "1afa244c8a4318437c740dcdfa5d10579a48adcff0da169bc5e2f396fe675591",
+    "digest0": "0beeb85c68d15099450d2d50b77ab76dd37609af0860c3a9e9b13efd54626369",
+    "digest1": "7875e1bf52e3d2715db18da12fea9c2025532dd63f82e22431e0917fe5838b8b",
+}
+
+
+def test_keys_are_pinned():
+    assert chunk_key(FP, [1, 2, 3]) == PINNED_KEYS["chunk"]
+    assert prompt_key(FP, [1, 2, 3]) == PINNED_KEYS["prompt"]
+    assert block_key(FP, 4, None, [0, 1, 2, 3]) == PINNED_KEYS["block0"]
+    assert block_key(FP, 4, PINNED_KEYS["block0"], [4, 5, 6, 7]) == PINNED_KEYS["block1"]
+    assert prefix_block_keys(FP, 4, list(range(10))) == [PINNED_KEYS["block0"], PINNED_KEYS["block1"]]
+    assert hash_fields(1, "chunk", None, [], [-1, 2**40]) == PINNED_KEYS["fields"]
+    assert prefix_digests(FP, 4, list(range(10))) == [PINNED_KEYS["digest0"], PINNED_KEYS["digest1"]]
+
+
+def test_key_encoding_is_tagged_and_length_prefixed():
+    """The byte layout behind the pins: tag, little-endian u64 length, body (ints as decimal text,
+    token lists as little-endian int64)."""
+    expected = hashlib.sha256(
+        b"i" + struct.pack("<Q", 1) + b"1"
+        + b"s" + struct.pack("<Q", 5) + b"chunk"
+        + b"n" + struct.pack("<Q", 0)
+        + b"t" + struct.pack("<Q", 16) + struct.pack("<2q", 7, -2)
+    ).hexdigest()  # fmt: skip
+    assert hash_fields(1, "chunk", None, [7, -2]) == expected
 
 
 def test_prefix_block_keys_chain_and_skip_partial_block():
@@ -94,6 +128,36 @@ def test_memory_lru_eviction_order_exact():
     tier.check_invariants()
 
 
+def block_entry(tokens: list[int], parent: str | None) -> KVEntry:
+    """A prefix block of 2 tokens after ``parent`` (None: the first block of a chain)."""
+    g = torch.Generator().manual_seed(sum(tokens))
+    k, v = (torch.randn(2, 1, len(tokens), 4, generator=g).half() for _ in range(2))
+    return KVEntry(block_key(FP, 2, parent, tokens), EntryKind.BLOCK, FP, tokens, k, v, 2, parent)
+
+
+def test_memory_eviction_takes_the_leaves_of_a_prefix_chain_first():
+    """Touching a block touches its ancestors: a chain is evicted leaf first, so a surviving block always
+    has its whole prefix resident (a block without its parents could never be reused)."""
+    root = block_entry([1, 2], None)
+    mid = block_entry([3, 4], root.key)
+    leaf = block_entry([5, 6], mid.key)
+    other = entry([7, 8])
+    size = root.nbytes
+    assert other.nbytes == size
+    tier = MemoryTier(budget_bytes=4 * size)
+    for e in (root, mid, leaf, other):
+        assert tier.put(e)
+    assert tier.get(leaf.key) is leaf  # the chain is now more recent than `other`, its root most of all
+    assert list(tier.keys()) == [other.key, leaf.key, mid.key, root.key]
+    evicted = []
+    for i in range(4):
+        before = set(tier.keys())
+        assert tier.put(entry([100 + i, 0]))
+        evicted += [k for k in (other.key, leaf.key, mid.key, root.key) if k in before - set(tier.keys())]
+    assert evicted == [other.key, leaf.key, mid.key, root.key]
+    tier.check_invariants()
+
+
 def test_pinned_entries_are_never_evicted():
     size = entry([1, 2]).nbytes
     tier = MemoryTier(budget_bytes=2 * size)
@@ -107,10 +171,10 @@ def test_pinned_entries_are_never_evicted():
     assert tier.put(c)  # now b is evictable
     assert list(tier.keys()) == [a.key, c.key]
     assert tier.pin_count(a.key) == 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot delete pinned entry"):
         tier.delete(a.key)
     tier.unpin(a.key)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="that is not pinned"):
         tier.unpin(a.key)
     tier.check_invariants()
 
@@ -138,14 +202,51 @@ def test_disk_tier_roundtrip_sweep_and_quarantine(tmp_path):
 
 
 def test_disk_budget_removes_oldest(tmp_path):
-    a, b, c = entry([1, 1]), entry([2, 2]), entry([3, 3])
+    """A put over the budget removes the least recently written files first, never the new one."""
+    a, b, c, d = entry([1, 1]), entry([2, 2]), entry([3, 3]), entry([4, 4, 4, 4])
     size = len(encode(a))
     tier = DiskTier(tmp_path, budget_bytes=2 * size)
-    for i, e in enumerate((a, b, c)):
-        tier.put(e)
-        os.utime(tier.path(e.key), ns=(i * 10**9, i * 10**9))
-        tier._enforce_budget(keep=tier.path(e.key))
-    assert set(tier.keys()) == {b.key, c.key}
+    for i, e in enumerate((a, b)):
+        assert tier.put(e)
+        os.utime(tier.path(e.key), ns=(i * 10**9, i * 10**9))  # a older than b
+    assert tier.put(c)  # 3 entries > 2: the oldest (a) goes
+    assert set(tier.keys()) == {b.key, c.key} and tier.stats.evictions == 1
+    assert tier.nbytes() == 2 * size
+    assert len(encode(d)) > size and tier.put(d)  # bigger: b and c both go to make room
+    assert set(tier.keys()) == {d.key} and tier.stats.evictions == 3
+
+
+def test_disk_budget_through_the_store_config(tmp_path, tokenizer):
+    """``StoreConfig(disk_bytes=...)`` end to end: an engine's disk tier stays within its budget, keeps
+    the latest prompt's blocks, and a fresh engine (a new process) reuses them; the oldest are gone."""
+    from tests.conftest import tiny_hf_model
+    from tests.reliability.reliability_helpers import engine_at
+
+    model = tiny_hf_model("llama", len(tokenizer))
+    # plain text (no shared template blocks), each prompt's first block its own
+    prompts = [f"{i} prompts ago the committee met on Tuesday to review the budget." for i in range(4, 0, -1)]
+    options = dict(max_new_tokens=1, use_chat_template=False)
+
+    probe = engine_at(tmp_path / "probe", tokenizer, model)
+    probe.generate(prompt=prompts[-1], reuse="none", **options)
+    one_prompt = probe.store.tier("disk").nbytes()
+    budget = int(1.5 * one_prompt)  # room for one prompt's blocks, not two
+
+    home = tmp_path / "home"
+    bounded = engine_at(home, tokenizer, model, disk_bytes=budget)
+    for prompt in prompts:
+        bounded.generate(prompt=prompt, reuse="none", **options)
+        assert 0 < bounded.store.tier("disk").nbytes() <= budget
+    assert bounded.store.tier("disk").stats.evictions > 0
+    bounded.close()
+    last = engine_at(home, tokenizer, model, disk_bytes=budget).generate(
+        prompt=prompts[-1], reuse="prefix", **options
+    )
+    assert last.stats["path"] == "prefix" and last.stats["reused_tokens"] >= last.stats["prompt_tokens"] - 4
+    first = engine_at(home, tokenizer, model, disk_bytes=budget).generate(
+        prompt=prompts[0], reuse="prefix", **options
+    )
+    assert first.stats["reused_tokens"] == 0
 
 
 def test_store_read_through_promotes_and_checks_ownership(tmp_path):
@@ -165,7 +266,7 @@ def test_store_read_through_promotes_and_checks_ownership(tmp_path):
     assert store.get(e.key, None, EntryKind.PROMPT) is None
     # an entry of another model is refused on put and on get
     foreign = entry([1, 2, 3], fp="0" * 64)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="does not match this store.s model"):
         store.put(foreign)
     disk.put(foreign)
     assert store.get(foreign.key) is None
