@@ -145,3 +145,4 @@ class StepRecord:
     resident_blocks: int = 0
     select_s: float = 0.0
     gather_s: float = 0.0
+    summarise_s: float = 0.0  # summarising a block the previous step completed

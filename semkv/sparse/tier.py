@@ -31,7 +31,16 @@ HIDDEN = 2**62  # position of rows attention must not see (later than any query)
 class FastTier:
     """k, v [L, kvh, slots * block_size + hot_rows, d]; positions [groups, same rows]."""
 
-    def __init__(self, cache: KVCache, block_size: int, slots: int, hot_rows: int, per_layer: bool) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        block_size: int,
+        slots: int,
+        hot_rows: int,
+        per_layer: bool,
+        layers: list[int] | None = None,
+    ) -> None:
+        """``layers``: the layers that read the tier (default: all); blocks are copied for these only."""
         if slots < 1:
             raise ValueError(f"the fast tier needs at least one slot, got {slots}")
         self.block_size = block_size
@@ -39,6 +48,7 @@ class FastTier:
         self.slot_rows = slots * block_size
         self.hot_rows = hot_rows
         self.num_layers = cache.num_layers
+        self.layers = list(range(cache.num_layers)) if layers is None else list(layers)
         self.groups = cache.num_layers if per_layer else 1
         shape = (cache.num_layers, cache.num_kv_heads, self.slot_rows + hot_rows, cache.head_dim)
         self.k = torch.zeros(shape, dtype=cache.compute_dtype)
@@ -53,8 +63,8 @@ class FastTier:
         self.sink_rows = 0
         self.used_hot = 0
 
-    def _layers(self, group: int) -> range:
-        return range(self.num_layers) if self.groups == 1 else range(group, group + 1)
+    def _layers(self, group: int) -> list[int]:
+        return self.layers if self.groups == 1 else [group]
 
     def _grow(self, blocks: int) -> None:
         if blocks <= self.slot_of.shape[1]:
@@ -111,7 +121,7 @@ class FastTier:
             raise ValueError(f"sink of {rows} rows exceeds the hot region ({self.hot_rows})")
         self.sink_rows = rows
         at = slice(self.slot_rows, self.slot_rows + rows)
-        for layer in range(self.num_layers):
+        for layer in self.layers:
             self.k[layer][:, at] = cache.k_rot[layer][:, :rows]
             self.v[layer][:, at] = cache.v[layer][:, :rows]
         self.positions[:, at] = cache.positions[:rows]
@@ -146,4 +156,4 @@ class FastTier:
     def resident_layer_blocks(self) -> int:
         """Resident (layer, block) pairs."""
         per_group = (self.block_in >= 0).sum(dim=1)
-        return int(per_group.sum()) * (self.num_layers if self.groups == 1 else 1)
+        return int(per_group.sum()) * (len(self.layers) if self.groups == 1 else 1)
