@@ -153,7 +153,12 @@ class Engine:
     def layout(self, request: GenerateRequest) -> PromptLayout:
         """The request's prompt as tokenized segments; a ValueError if it is empty or too long."""
         layout = build_layout(
-            self.tokenizer, request.prompt, request.messages, request.chunks, request.use_chat_template
+            self.tokenizer,
+            request.prompt,
+            request.messages,
+            request.chunks,
+            request.use_chat_template,
+            request.assistant_prefix,
         )
         total = len(layout) + request.max_new_tokens
         if len(layout) == 0:
@@ -203,8 +208,8 @@ class Engine:
             options = self.defaults.reuse_options(request)
             plan, refusals = self.plan(request, layout)
             cache = self.runtime.new_cache(len(layout) + request.max_new_tokens)
-            kv_budget = self.defaults.kv_budget_for(request)
-            sparse = self.sparse_decoder(request.sparse, kv_budget)
+            policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(layout))
+            sparse = self.sparse_decoder(policy, kv_budget)
             capture = capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries)
             queries = None
             if capture:
@@ -232,7 +237,7 @@ class Engine:
                 prefill_queries=queries,
                 blocks=blocks,
                 summarise_s=summarise_s,
-                notes=self._fallback_note(options.mode, outcome.path, refusals),
+                notes={**self._fallback_note(options.mode, outcome.path, refusals), **sparse_notes},
             )
             seq.sample(outcome.logits)
             seq.ttft_s = time.perf_counter() - start

@@ -35,8 +35,11 @@ def make_policy(name: str, **options: Any) -> SparsePolicy:
     return POLICIES[name](**options)
 
 
+AUTO = "auto"  # the engine picks the policy (and budget) its calibrated profile measured best
+
+
 def validate_sparse(policy: str | None, kv_budget: float | int) -> None:
-    """Raise ValueError for an unknown policy name or a bad budget."""
-    if policy is not None and policy not in POLICIES:
-        raise ValueError(f"unknown sparse policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    """Raise ValueError for an unknown policy name (``"auto"`` is valid) or a bad budget."""
+    if policy is not None and policy != AUTO and policy not in POLICIES:
+        raise ValueError(f"unknown sparse policy {policy!r}; choose {AUTO!r} or one of {', '.join(POLICIES)}")
     Budget(kv_budget)
