@@ -38,6 +38,7 @@ class StepView:
     layer: the layer being scored (per-layer policies), None for a once-per-step choice.
     q_rot: [nh, 1, d] rotated query of ``layer`` (per-layer policies only).
     prefill: queries captured during prefill (SnapKV, H2O), or None.
+    selecting: the layers that attend to selected blocks (not window or dense layers).
     """
 
     cache: KVCache
@@ -48,6 +49,7 @@ class StepView:
     layer: int | None = None
     q_rot: Tensor | None = None
     prefill: PrefillQueries | None = None
+    selecting: tuple[int, ...] = ()
 
     def candidate_span(self) -> slice:
         """The candidates as a slice of block ids (they are always a contiguous range)."""
@@ -62,6 +64,7 @@ class SparsePolicy:
 
     Optional hooks (default: nothing): :meth:`prepare` once after prefill,
     :meth:`observe` after a layer's selection (H2O accumulates attention there),
+    :meth:`see_query` with each selecting layer's query of the step (after the step's selection),
     :meth:`resident_hint` (which unselected blocks are worth keeping in the fast tier).
     """
 
@@ -86,6 +89,9 @@ class SparsePolicy:
 
     def observe(self, view: StepView, selected: Tensor, keys: Tensor, k_pos: Tensor) -> None:  # noqa: B027
         """Called after a layer chose ``selected`` blocks; ``keys`` [kvh, R, d] are what it attends to."""
+
+    def see_query(self, layer: int, q_rot: Tensor) -> None:  # noqa: B027 - optional hook
+        """The rotated query [nh, 1, d] of ``layer`` at this step (called for the selecting layers only)."""
 
     def resident_hint(self) -> Tensor | None:
         """Bool mask over all blocks: worth keeping resident although unselected (None: nothing)."""

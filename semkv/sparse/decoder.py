@@ -96,6 +96,8 @@ class SparseDecoder:
         self.index: BlockIndex | None = None
         self.tier: FastTier | None = None
         self._observes = type(policy).observe is not SparsePolicy.observe
+        self._sees_queries = type(policy).see_query is not SparsePolicy.see_query
+        self._selecting: tuple[int, ...] = ()
         self._step = -1
         self._step_state: dict[str, Any] = {}
         self.prepare_s = 0.0
@@ -115,14 +117,28 @@ class SparseDecoder:
         if not self.policy.is_dense:
             hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
             windows = self.config.layer_windows
-            selecting = [i for i in range(cache.num_layers) if i >= len(windows) or windows[i] is None]
-            self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer, selecting)
+            reading = [i for i in range(cache.num_layers) if i >= len(windows) or windows[i] is None]
+            self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer, reading)
         positions = cache.valid_positions()
         self._ordered = bool((positions[1:] > positions[:-1]).all())
+        windows = self.config.layer_windows
+        self._selecting = tuple(
+            i
+            for i in range(cache.num_layers)
+            if (i >= len(windows) or windows[i] is None) and i not in self.config.dense_layers
+        )
         if self.policy.is_dense:
             return
         sink, win_block, _ = self._geometry(cache.length + 1)  # the first step's geometry
-        view = StepView(cache, index, torch.arange(sink, win_block), 0, -1, prefill=self.prefill)
+        view = StepView(
+            cache,
+            index,
+            torch.arange(sink, win_block),
+            0,
+            -1,
+            prefill=self.prefill,
+            selecting=self._selecting,
+        )
         start = time.perf_counter()
         self.policy.prepare(view)
         self.prepare_s = time.perf_counter() - start
@@ -146,6 +162,8 @@ class SparseDecoder:
         window = self.config.layer_windows[layer] if layer < len(self.config.layer_windows) else None
         if window is not None:
             return self._window_rows(layer, cache, window)
+        if self._sees_queries and layer in self._selecting:
+            self.policy.see_query(layer, q_rot)
         if state["dense"] or layer in self.config.dense_layers:
             return None
         assert self.tier is not None
@@ -192,7 +210,15 @@ class SparseDecoder:
         state = self._step_state
         assert self.index is not None
         return StepView(
-            cache, self.index, state["candidates"], state["budget"], self._step, layer, q_rot, self.prefill
+            cache,
+            self.index,
+            state["candidates"],
+            state["budget"],
+            self._step,
+            layer,
+            q_rot,
+            self.prefill,
+            self._selecting,
         )
 
     def _select(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> Tensor:

@@ -9,6 +9,7 @@ from semkv.sparse.dense import DensePolicy
 from semkv.sparse.h2o import H2OPolicy
 from semkv.sparse.keykey import HybridPolicy, KeyKeyPolicy
 from semkv.sparse.oracle import OraclePolicy
+from semkv.sparse.probe import ProbePolicy
 from semkv.sparse.quest import QuestPolicy
 from semkv.sparse.snapkv import SnapKVPolicy
 from semkv.sparse.streaming import StreamingPolicy
@@ -19,6 +20,7 @@ POLICIES: dict[str, type[SparsePolicy]] = {
         DensePolicy,
         KeyKeyPolicy,
         HybridPolicy,
+        ProbePolicy,
         OraclePolicy,
         QuestPolicy,
         StreamingPolicy,
