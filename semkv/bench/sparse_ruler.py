@@ -314,6 +314,7 @@ def e2e_timing(engine, case: ruler.RulerCase, args: argparse.Namespace, make_dec
             mine, dense = median(decode_s[(label, new_tokens)]), median(decode_s[("dense", new_tokens)])
             row[f"decode_s_{new_tokens}"] = mine
             row[f"speedup_{new_tokens}"] = dense / mine
+        row["ttft_s"] = base.ttft_s + extra[label].get("prepare_s", 0.0)
         row["ttft_extra_s"] = base.summarise_s + extra[label].get("prepare_s", 0.0)
         row["select_share"] = extra[label].get("select_share", 0.0)
         rows.append(row)
@@ -323,7 +324,8 @@ def e2e_timing(engine, case: ruler.RulerCase, args: argparse.Namespace, make_dec
 E2E_NOTES = """
 decode_s_N: seconds from the first decoded token to the N-th (N - 1 decode steps; the first token comes
 with the prefill), median over repetitions; speedup_N: dense's / the policy's. steady_ms_per_step: median
-step of the longest answer after its first 8 steps. ttft_extra_s: what sparse decode adds before the first
+step of the longest answer after its first 8 steps. ttft_s: time to the first token (the prefill, block
+summaries included, plus the policy's preparation). ttft_extra_s: what sparse decode adds before the first
 token (block summaries of the prompt at prefill, and the policy's preparation when its decoder attaches).
 select_share: selection time / decode time (largest over repetitions). Policies and dense decode from
 forks of one prefilled case, interleaved.

@@ -39,6 +39,7 @@ class StepView:
     q_rot: [nh, 1, d] rotated query of ``layer`` (per-layer policies only).
     prefill: queries captured during prefill (SnapKV, H2O), or None.
     selecting: the layers that attend to selected blocks (not window or dense layers).
+    group: the layers that share this selection (per-group policies).
     """
 
     cache: KVCache
@@ -50,6 +51,7 @@ class StepView:
     q_rot: Tensor | None = None
     prefill: PrefillQueries | None = None
     selecting: tuple[int, ...] = ()
+    group: tuple[int, ...] = ()
 
     def candidate_span(self) -> slice:
         """The candidates as a slice of block ids (they are always a contiguous range)."""
@@ -79,6 +81,12 @@ class SparsePolicy:
     @property
     def is_dense(self) -> bool:
         return False
+
+    def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Layers that share one selection, in order: one group of every selecting layer (chosen once per
+        step, before layer 0 attends) unless :attr:`per_layer` (one group per layer). A policy may return
+        other groups: each is then chosen at its first layer, with that layer's query."""
+        return tuple((layer,) for layer in selecting) if self.per_layer else (selecting,)
 
     def score(self, view: StepView) -> Tensor:
         """Scores [C] for ``view.candidates`` (higher = more relevant; -inf = exclude)."""

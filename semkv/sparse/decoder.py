@@ -98,6 +98,9 @@ class SparseDecoder:
         self._observes = type(policy).observe is not SparsePolicy.observe
         self._sees_queries = type(policy).see_query is not SparsePolicy.see_query
         self._selecting: tuple[int, ...] = ()
+        self._groups: list[tuple[int, ...]] = []
+        self._group_of: dict[int, int] = {}
+        self._at_step_start = True
         self._step = -1
         self._step_state: dict[str, Any] = {}
         self.prepare_s = 0.0
@@ -112,13 +115,6 @@ class SparseDecoder:
             raise ValueError(f"policy {self.policy.name!r} needs the prompt's queries captured at prefill")
         cache = index.cache
         self.index = index
-        most = self.config.budget.blocks(cache.capacity, self.block_size)
-        slots = max(1, int(most * self.config.resident_factor))
-        if not self.policy.is_dense:
-            hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
-            windows = self.config.layer_windows
-            reading = [i for i in range(cache.num_layers) if i >= len(windows) or windows[i] is None]
-            self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer, reading)
         positions = cache.valid_positions()
         self._ordered = bool((positions[1:] > positions[:-1]).all())
         windows = self.config.layer_windows
@@ -127,6 +123,19 @@ class SparseDecoder:
             for i in range(cache.num_layers)
             if (i >= len(windows) or windows[i] is None) and i not in self.config.dense_layers
         )
+        groups = [tuple(g) for g in self.policy.layer_groups(self._selecting) if g]
+        if sorted(layer for g in groups for layer in g) != sorted(self._selecting):
+            raise ValueError(
+                f"policy {self.policy.name!r}: layer groups {groups} do not cover {self._selecting}"
+            )
+        self._groups = groups
+        self._group_of = {layer: i for i, g in enumerate(groups) for layer in g}
+        self._at_step_start = not self.policy.per_layer and len(groups) == 1
+        most = self.config.budget.blocks(cache.capacity, self.block_size)
+        slots = max(1, int(most * self.config.resident_factor))
+        if not self.policy.is_dense:
+            hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
+            self.tier = FastTier(cache, self.block_size, slots, hot, [list(g) for g in groups])
         if self.policy.is_dense:
             return
         sink, win_block, _ = self._geometry(cache.length + 1)  # the first step's geometry
@@ -158,21 +167,32 @@ class SparseDecoder:
             self._start_step(cache)
         if self.config.record_queries:
             self._step_state["queries"].append(q_rot[:, 0].detach().clone())
-        state = self._step_state
         window = self.config.layer_windows[layer] if layer < len(self.config.layer_windows) else None
         if window is not None:
             return self._window_rows(layer, cache, window)
-        if self._sees_queries and layer in self._selecting:
-            self.policy.see_query(layer, q_rot)
-        if state["dense"] or layer in self.config.dense_layers:
+        picked = self._selected_rows(layer, q_rot, cache)
+        if self._sees_queries and layer in self._group_of:
+            self.policy.see_query(layer, q_rot)  # after this layer's selection: it is the next step's probe
+        return picked
+
+    def _selected_rows(
+        self, layer: int, q_rot: Tensor, cache: KVCache
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The fast tier's rows for ``layer`` (choosing its group's blocks first if it leads the group)."""
+        state = self._step_state
+        if state["dense"] or layer not in self._group_of:
             return None
         assert self.tier is not None
         record = state["record"]
-        if self.policy.per_layer:
+        group = self._group_of[layer]
+        if self._at_step_start:
+            selected = state["selected"]
+        elif layer == self._groups[group][0]:
             selected = self._select(cache, layer, q_rot)
+            state["selected"] = selected
             record.selected.append(selected.tolist())
             start = time.perf_counter()
-            record.loaded_blocks += self.tier.ensure(layer, selected, cache, state["extra"])
+            record.loaded_blocks += self.tier.ensure(group, selected, cache, state["extra"])
             record.gather_s += time.perf_counter() - start
         else:
             selected = state["selected"]
@@ -181,7 +201,6 @@ class SparseDecoder:
         record.gather_s += time.perf_counter() - start
         if self._observes:
             start = time.perf_counter()
-            group = layer if self.policy.per_layer else 0
             region_rows = torch.cat(
                 [
                     self.tier.block_rows(self.tier.block_in[group].clamp(min=0)),
@@ -209,6 +228,7 @@ class SparseDecoder:
     def _view(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> StepView:
         state = self._step_state
         assert self.index is not None
+        group = self._groups[self._group_of[layer]] if layer is not None else self._selecting
         return StepView(
             cache,
             self.index,
@@ -219,6 +239,7 @@ class SparseDecoder:
             q_rot,
             self.prefill,
             self._selecting,
+            group,
         )
 
     def _select(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> Tensor:
@@ -228,7 +249,7 @@ class SparseDecoder:
         view = self._view(cache, layer, q_rot)
         scores = self.policy.score(view)
         selected = topk_blocks(scores, state["candidates"], state["budget"])
-        if layer is None or layer == 0:
+        if layer is None or layer == self._groups[0][0]:  # once per step
             hint = self.policy.resident_hint()
             if hint is not None:
                 order = torch.argsort(hint, descending=True)
@@ -276,7 +297,7 @@ class SparseDecoder:
             self.tier.set_sink(cache, sink * self.block_size)
         self.tier.set_window(cache, win_row)
         record.gather_s += time.perf_counter() - start
-        if not self.policy.per_layer:
+        if self._at_step_start:
             selected = self._select(cache, None, None)
             record.selected.append(selected.tolist())
             start = time.perf_counter()

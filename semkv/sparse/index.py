@@ -13,6 +13,9 @@ completed a block. Summaries a stored prefix block carries come in through
 * ``min`` / ``max`` [L, kvh, d]: per-channel min / max of the rotated keys (Quest's bound);
 * ``rmean`` [L, kvh, d]: mean rotated key (the mean logit ``q . rmean`` of a block for a query).
 
+One level up, per chunk of :data:`CHUNK_BLOCKS` consecutive blocks (chunk ``c`` = blocks ``[4c, 4c + 4)``),
+the chunk's mean rotated key (:meth:`BlockIndex.chunk_means`), updated as its blocks arrive.
+
 Summaries are rounded through the KV dtype when computed, so a block's summaries read back
 from the store equal those of a fresh prefill bit for bit (as the cache does for KV).
 
@@ -33,6 +36,7 @@ from torch import Tensor
 from semkv.models.cache import KVCache
 
 SUMMARY_KINDS = ("mean", "sq", "min", "max", "rmean")
+CHUNK_BLOCKS = 4  # blocks per chunk of the level above the blocks
 
 
 def summarise_rows(k_pre: Tensor, k_rot: Tensor, block_size: int, kv_dtype: torch.dtype) -> dict[str, Tensor]:
@@ -67,6 +71,7 @@ class BlockIndex:
         self.num_complete = 0
         self.computed_blocks = 0  # blocks summarised from rows (not inserted from the store)
         self._summaries: dict[str, Tensor] = {}
+        self._chunks: Tensor | None = None  # [L, kvh, capacity chunks, d] chunk mean rotated keys
         self._variance: Tensor | None = None
 
     # -- writing ------------------------------------------------------------------------------------
@@ -105,7 +110,28 @@ class BlockIndex:
                 self._summaries[kind][layer, :, start:end] = value
         self.num_complete = end
         self.computed_blocks += end - start
+        self._update_chunks(start, end)
         return end - start
+
+    def _update_chunks(self, start: int, end: int) -> None:
+        """Recompute the chunk means of the chunks holding blocks [start, end)."""
+        c = self.cache
+        first, last = start // CHUNK_BLOCKS, (end - 1) // CHUNK_BLOCKS + 1
+        size = self._summaries["rmean"].shape[2] // CHUNK_BLOCKS + 1
+        if self._chunks is None or self._chunks.shape[2] < size:
+            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
+            if self._chunks is not None:
+                grown[:, :, : self._chunks.shape[2]] = self._chunks
+            self._chunks = grown
+        blocks = self._summaries["rmean"][:, :, first * CHUNK_BLOCKS : end]
+        full = (end - first * CHUNK_BLOCKS) // CHUNK_BLOCKS
+        if full:
+            shape = (*blocks.shape[:2], full, CHUNK_BLOCKS, blocks.shape[-1])
+            self._chunks[:, :, first : first + full] = (
+                blocks[:, :, : full * CHUNK_BLOCKS].reshape(shape).mean(3)
+            )
+        if first + full < last:  # a chunk still filling
+            self._chunks[:, :, first + full] = blocks[:, :, full * CHUNK_BLOCKS :].mean(2)
 
     def insert(self, summaries: Mapping[str, Tensor]) -> None:
         """Append the next block's summaries as a stored block carries them ({kind: [L, kvh, d]}, sq
@@ -121,6 +147,7 @@ class BlockIndex:
         for kind in SUMMARY_KINDS:
             self._summaries[kind][:, :, block] = summaries[kind].float()
         self.num_complete = block + 1
+        self._update_chunks(block, block + 1)
 
     def block_summaries(self, block: int) -> dict[str, Tensor]:
         """The summaries of one complete block, in the KV dtype, as the store keeps them with the block."""
@@ -134,6 +161,7 @@ class BlockIndex:
         other.num_complete = self.num_complete
         other.computed_blocks = self.computed_blocks
         other._summaries = {k: t.clone() for k, t in self._summaries.items()}
+        other._chunks = None if self._chunks is None else self._chunks.clone()
         return other
 
     # -- reading ------------------------------------------------------------------------------------
@@ -143,6 +171,15 @@ class BlockIndex:
             raise ValueError(f"unknown summary {kind!r}; choose one of {SUMMARY_KINDS}")
         self._reserve(1)
         return self._summaries[kind][:, :, : self.num_complete]
+
+    def chunk_means(self) -> Tensor:
+        """[L, kvh, nc, d] mean rotated key of each chunk of :data:`CHUNK_BLOCKS` complete blocks (the
+        last chunk: of the complete blocks it has so far)."""
+        count = -(-self.num_complete // CHUNK_BLOCKS)
+        if self._chunks is None:
+            c = self.cache
+            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim)
+        return self._chunks[:, :, :count]
 
     def key_means(self) -> Tensor:
         """[L, kvh, nb, d] mean pre-RoPE key per complete block."""

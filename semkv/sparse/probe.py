@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from semkv.sparse.base import SparsePolicy, StepView
+from semkv.sparse.index import CHUNK_BLOCKS
 
 HEAD_AGGREGATES = ("max", "mass")
 
@@ -42,6 +43,14 @@ HEAD_AGGREGATES = ("max", "mass")
 def aggregate_heads(probs: Tensor, head_agg: str) -> Tensor:
     """[..., heads, C] per-head block distributions -> [..., C]."""
     return probs.amax(dim=-2) if head_agg == "max" else probs.mean(dim=-2)
+
+
+def layer_rows(summary: Tensor, layers: tuple[int, ...]) -> Tensor:
+    """``summary[layers]`` as a view when the layers are evenly spaced (all layers; Gemma's global
+    layers), else a copy."""
+    if len(layers) > 1 and len({b - a for a, b in zip(layers, layers[1:], strict=False)}) == 1:
+        return summary[layers[0] : layers[-1] + 1 : layers[1] - layers[0]]
+    return summary[list(layers)]
 
 
 def mean_key_scores(q: Tensor, means: Tensor, head_agg: str) -> Tensor:
@@ -69,12 +78,18 @@ def window_block_scores(q: Tensor, keys: Tensor, block_size: int, num_blocks: in
 
 @dataclass
 class ProbePolicy(SparsePolicy):
-    """The question's and the latest step's queries against the blocks (see the module docstring).
+    """The question's and the latest queries against the blocks (see the module docstring).
 
     head_agg: "max" or "mass" over a layer's query heads.
-    prompt_share: share of the budget chosen by the question probe (0: step probe only).
+    prompt_share: share of the budget chosen by the question probe (0: the step probe only).
     window: question tokens (the prompt's last ones) whose queries form the question probe.
-    per_layer: score each layer with its current query (no question probe).
+    groups: contiguous groups of selecting layers, each with its own selection (1: one per step, before
+        layer 0, from the previous step's queries; more: each group chooses at its first layer, with that
+        layer's current query and the previous step's queries of its other layers).
+    chunk_keep: 0 scores every candidate block; k > 0 first scores chunks of CHUNK_BLOCKS blocks (their
+        write-time mean keys) and then only the blocks of the best ``k x budget / CHUNK_BLOCKS`` chunks.
+    successors: a block's score is at least this share of its predecessor's (0: off): text is read
+        forward, so the block after one that is attended is likely next (a number split by a boundary).
     keep_steps: steps a selected block stays resident after it was last selected.
     """
 
@@ -83,10 +98,12 @@ class ProbePolicy(SparsePolicy):
     head_agg: str = "max"
     prompt_share: float = 0.5
     window: int = 16
-    per_layer_query: bool = False
+    groups: int = 1
+    chunk_keep: float = 0.0
+    successors: float = 0.0
     keep_steps: int = 4
     _queries: dict[int, Tensor] = field(default_factory=dict, repr=False)
-    _question: Tensor | None = field(default=None, repr=False)
+    _question: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> [prompt blocks]
     _last_selected: list[Tensor] = field(default_factory=list, repr=False)
     _num_blocks: int = field(default=0, repr=False)
 
@@ -95,14 +112,15 @@ class ProbePolicy(SparsePolicy):
             raise ValueError(f"head_agg must be one of {HEAD_AGGREGATES}, got {self.head_agg!r}")
         if not 0.0 <= self.prompt_share <= 1.0:
             raise ValueError(f"prompt_share must be in [0, 1], got {self.prompt_share}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.keep_steps < 0:
-            raise ValueError(f"keep_steps must be >= 0, got {self.keep_steps}")
+        if self.window < 1 or self.groups < 1:
+            raise ValueError(f"window and groups must be >= 1, got {self.window} and {self.groups}")
+        if self.keep_steps < 0 or self.chunk_keep < 0 or not 0.0 <= self.successors <= 1.0:
+            raise ValueError("keep_steps and chunk_keep must be >= 0, successors in [0, 1]")
 
-    @property
-    def per_layer(self) -> bool:
-        return self.per_layer_query
+    def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        count = max(1, min(self.groups, len(selecting)))
+        bounds = [round(i * len(selecting) / count) for i in range(count + 1)]
+        return tuple(selecting[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
     def prepare(self, view: StepView) -> None:
         """The first step's probe (the prompt's last token's queries) and the question's block scores."""
@@ -110,55 +128,75 @@ class ProbePolicy(SparsePolicy):
             raise ValueError("probe needs the prompt's queries captured at prefill")
         self._queries = {layer: view.prefill.q[layer][:, -1] for layer in view.selecting}
         self._last_selected = []
-        self._question = None
-        if self.prompt_share > 0 and not self.per_layer_query and view.selecting:
-            self._question = self._question_scores(view)
+        self._question = self._question_scores(view) if self.prompt_share > 0 else {}
 
-    def _question_scores(self, view: StepView) -> Tensor:
-        """[prompt blocks] mean over selecting layers of the question queries' block attention."""
+    def _question_scores(self, view: StepView) -> dict[int, Tensor]:
+        """Per selecting layer, [prompt blocks] the question queries' block attention."""
         prefill = view.prefill
         assert prefill is not None
         num_blocks = view.index.num_complete
         rows = prefill.last_position() + 1
-        scores = []
+        scores = {}
         for layer in view.selecting:
-            positions = prefill.positions[layer]
-            tail = positions[-self.window :]
+            tail = prefill.positions[layer][-self.window :]
             if int(tail[0]) != rows - tail.numel() or int(tail[-1]) != rows - 1:
                 continue  # this layer's captured rows are not the prompt's last ones (selective recompute)
             q = prefill.q[layer][:, -tail.numel() :]
             keys = view.cache.keys(layer)[:, :rows]
-            scores.append(window_block_scores(q, keys, view.index.block_size, num_blocks, self.head_agg))
-        return torch.stack(scores).mean(dim=0) if scores else torch.zeros(num_blocks)
+            scores[layer] = window_block_scores(q, keys, view.index.block_size, num_blocks, self.head_agg)
+        return scores
 
     def see_query(self, layer: int, q_rot: Tensor) -> None:
         self._queries[layer] = q_rot[:, 0]
 
     def score(self, view: StepView) -> Tensor:
-        span = view.candidate_span()
-        if self.per_layer_query:
-            assert view.layer is not None and view.q_rot is not None
-            means = view.index.summary("rmean")[view.layer : view.layer + 1, :, span]
-            return mean_key_scores(view.q_rot[:, 0].unsqueeze(0), means, self.head_agg)[0]
-        layers = view.selecting or tuple(sorted(self._queries))
-        means = view.index.summary("rmean")[list(layers)][:, :, span]  # [L', kvh, C, d]
-        q = torch.stack([self._queries[layer] for layer in layers])  # [L', nh, d]
-        step = mean_key_scores(q, means, self.head_agg).mean(dim=0)  # [C], sums to <= 1
-        scores = self._with_question(view, step)
+        layers = view.group or view.selecting or tuple(sorted(self._queries))
+        queries = dict(self._queries)
+        if view.layer is not None and view.q_rot is not None:
+            queries[view.layer] = view.q_rot[:, 0]  # the group's first layer: this step's own query
+        q = torch.stack([queries[layer] for layer in layers])  # [L', nh, d]
+        step = self._spread(self._step_scores(view, layers, q))
+        scores = self._with_question(view, layers, step)
         self._remember(view, scores)
         return scores
 
-    def _with_question(self, view: StepView, step: Tensor) -> Tensor:
+    def _step_scores(self, view: StepView, layers: tuple[int, ...], q: Tensor) -> Tensor:
+        """[C] the step probe's scores of the candidates (every block, or chunks first)."""
+        span = view.candidate_span()
+        pages = layer_rows(view.index.summary("rmean"), layers)  # [L', kvh, nb, d], a view when possible
+        if not self.chunk_keep:
+            return mean_key_scores(q, pages[:, :, span], self.head_agg).mean(dim=0)
+        first, last = span.start // CHUNK_BLOCKS, (span.stop - 1) // CHUNK_BLOCKS + 1
+        chunks = layer_rows(view.index.chunk_means(), layers)[:, :, first:last]
+        chunk_scores = mean_key_scores(q, chunks, self.head_agg).mean(dim=0)
+        keep = min(chunk_scores.numel(), math.ceil(self.chunk_keep * view.budget / CHUNK_BLOCKS))
+        kept = torch.topk(chunk_scores, keep).indices + first
+        blocks = (kept.unsqueeze(1) * CHUNK_BLOCKS + torch.arange(CHUNK_BLOCKS)).reshape(-1)
+        blocks = blocks[(blocks >= span.start) & (blocks < span.stop)]
+        out = torch.full((span.stop - span.start,), -1.0)  # below any probed block, still selectable
+        out[blocks - span.start] = mean_key_scores(q, pages[:, :, blocks], self.head_agg).mean(dim=0)
+        return out
+
+    def _spread(self, scores: Tensor) -> Tensor:
+        """[C] scores of consecutive candidates, each lifted to ``successors`` x its predecessor's."""
+        if not self.successors or scores.numel() < 2:
+            return scores
+        out = scores.clone()
+        out[1:] = torch.maximum(scores[1:], self.successors * scores[:-1])
+        return out
+
+    def _with_question(self, view: StepView, layers: tuple[int, ...], step: Tensor) -> Tensor:
         """The question's top ``prompt_share`` of the budget first (scores lifted above every step
         score), then the step probe's order for the rest."""
-        if self._question is None:
-            return step
+        per_layer = [self._question[layer] for layer in layers if layer in self._question]
         reserved = int(round(self.prompt_share * view.budget))
-        known = view.candidates < self._question.numel()
-        question = torch.zeros_like(step)
-        question[known] = self._question[view.candidates[known]]
-        if reserved <= 0:
+        if not per_layer or reserved <= 0:
             return step
+        prompt = torch.stack(per_layer).mean(dim=0)
+        known = view.candidates < prompt.numel()
+        question = torch.zeros_like(step)
+        question[known] = prompt[view.candidates[known]]
+        question = self._spread(question)
         top = torch.topk(question, min(reserved, question.numel())).indices
         lifted = step.clone()
         lifted[top] = 2.0 + question[top]  # step scores are <= 1
@@ -169,7 +207,8 @@ class ProbePolicy(SparsePolicy):
         self._num_blocks = view.index.num_complete
         if self.keep_steps:
             top = view.candidates[torch.topk(scores, min(view.budget, scores.numel())).indices]
-            self._last_selected = ([top] + self._last_selected)[: self.keep_steps]
+            limit = self.keep_steps * max(1, self.groups)
+            self._last_selected = ([top] + self._last_selected)[:limit]
 
     def resident_hint(self) -> Tensor | None:
         if not self._last_selected or self._num_blocks == 0:

@@ -14,8 +14,9 @@ rows) get a position far in the future, so the causal mask built from positions
 hides them. The hot rows are the sink block(s), copied once, and the local window,
 refreshed every layer (it holds the new token).
 
-Slot maps come in ``groups``: one group shared by every layer (policies that choose
-once per step) or one per layer (per-layer policies).
+Slot maps come in ``groups`` of layers that share one selection: one group of every reading
+layer (policies that choose once per step), one per layer (per-layer policies), or anything
+between (a policy's layer groups).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ class FastTier:
         block_size: int,
         slots: int,
         hot_rows: int,
-        per_layer: bool,
-        layers: list[int] | None = None,
+        groups: list[list[int]] | None = None,
     ) -> None:
-        """``layers``: the layers that read the tier (default: all); blocks are copied for these only."""
+        """``groups``: the layers that read the tier, in groups sharing a slot map (default: one group of
+        every layer); blocks are copied for these layers only."""
         if slots < 1:
             raise ValueError(f"the fast tier needs at least one slot, got {slots}")
         self.block_size = block_size
@@ -48,8 +49,12 @@ class FastTier:
         self.slot_rows = slots * block_size
         self.hot_rows = hot_rows
         self.num_layers = cache.num_layers
-        self.layers = list(range(cache.num_layers)) if layers is None else list(layers)
-        self.groups = cache.num_layers if per_layer else 1
+        self.layer_groups = (
+            [list(g) for g in groups] if groups is not None else [list(range(cache.num_layers))]
+        )
+        self.layers = [layer for g in self.layer_groups for layer in g]
+        self.group_of = {layer: i for i, g in enumerate(self.layer_groups) for layer in g}
+        self.groups = len(self.layer_groups)
         shape = (cache.num_layers, cache.num_kv_heads, self.slot_rows + hot_rows, cache.head_dim)
         self.k = torch.zeros(shape, dtype=cache.compute_dtype)
         self.v = torch.zeros(shape, dtype=cache.compute_dtype)
@@ -64,7 +69,7 @@ class FastTier:
         self.used_hot = 0
 
     def _layers(self, group: int) -> list[int]:
-        return self.layers if self.groups == 1 else [group]
+        return self.layer_groups[group]
 
     def _grow(self, blocks: int) -> None:
         if blocks <= self.slot_of.shape[1]:
@@ -145,7 +150,7 @@ class FastTier:
         self.k[layer][:, begin : begin + count] = cache.k_rot[layer][:, rows]
         self.v[layer][:, begin : begin + count] = cache.v[layer][:, rows]
         end = self.slot_rows + self.used_hot
-        group = 0 if self.groups == 1 else layer
+        group = self.group_of[layer]
         return self.k[layer][:, :end], self.v[layer][:, :end], self.positions[group, :end]
 
     def visible_blocks(self, group: int) -> Tensor:
@@ -156,4 +161,4 @@ class FastTier:
     def resident_layer_blocks(self) -> int:
         """Resident (layer, block) pairs."""
         per_group = (self.block_in >= 0).sum(dim=1)
-        return int(per_group.sum()) * (len(self.layers) if self.groups == 1 else 1)
+        return sum(int(n) * len(g) for n, g in zip(per_group, self.layer_groups, strict=True))

@@ -15,7 +15,8 @@ import torch
 
 from semkv.request import GenerateRequest
 from semkv.reuse.prefix import SUMMARY_EXTRA
-from semkv.sparse.index import SUMMARY_KINDS, BlockIndex
+from semkv.sparse import POLICIES
+from semkv.sparse.index import CHUNK_BLOCKS, SUMMARY_KINDS, BlockIndex
 from semkv.store.keys import prefix_block_keys
 
 BLOCK = 4
@@ -49,6 +50,9 @@ def assert_index_matches_cache(index: BlockIndex) -> None:
     expected = direct_summaries(index.cache, index.block_size, index.num_complete)
     for kind in SUMMARY_KINDS:
         torch.testing.assert_close(index.summary(kind), expected[kind], msg=kind)
+    rmean = expected["rmean"]  # chunks: means of CHUNK_BLOCKS consecutive blocks (the last may be short)
+    chunks = [rmean[:, :, c : c + CHUNK_BLOCKS].mean(2) for c in range(0, rmean.shape[2], CHUNK_BLOCKS)]
+    torch.testing.assert_close(index.chunk_means(), torch.stack(chunks, dim=2))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
@@ -66,6 +70,16 @@ def test_prefill_summarises_every_block_and_the_first_step_none(make_tiny_engine
     engine.decode(seq)
     assert index.num_complete == (seq.cache.length - 1) // BLOCK > seq.prompt_tokens // BLOCK
     assert_index_matches_cache(index)
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"dense"}))
+def test_no_policy_summarises_at_the_first_step(make_tiny_engine, policy):
+    """Every policy starts from the prefill's summaries: its first decode step summarises no block."""
+    engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
+    seq = engine.prefill(_request(reuse="none", sparse=policy))
+    computed = seq.blocks.computed_blocks
+    engine.decode_step(seq)
+    assert seq.sparse.index is seq.blocks and seq.blocks.computed_blocks == computed
 
 
 def test_prefix_hit_takes_the_stored_summaries(make_tiny_engine):
