@@ -343,7 +343,8 @@ def run_e2e(args: argparse.Namespace, make_decoder) -> int:
     rows: list[dict[str, Any]] = []
     task = (args.tasks or ["niah_single_2"])[0]
     for length in args.lengths:
-        case = ruler.make_case(engine.tokenizer, task, length + 128, seed=args.seed, split=args.split)
+        fitted = min(length + 128, engine.max_context - max(args.e2e_new_tokens))  # the answer must fit
+        case = ruler.make_case(engine.tokenizer, task, fitted, seed=args.seed, split=args.split)
         rows += e2e_timing(engine, case, args, make_decoder)
         write_results(out, name, rows, config, notes=E2E_NOTES)
     print((out / f"{name}.md").read_text())
