@@ -13,7 +13,10 @@ decoding on the same engine,
 * share: the same over the share path's first recompute ratio (exponential decay with depth,
   the path's default schedule, ``min_ratio`` floored at the ratio);
 * sparse decode: per decode step KL and top-1 agreement over ``kv_budget`` (teacher-forced
-  on the dense tokens, so every step compares the same context), per policy;
+  on the dense tokens, so every step compares the same context), per policy, on RULER-style cases
+  (dev split, ``sparse_context_tokens`` long, sent as users send them: the chat template with RULER's
+  answer prefix) — the workload sparse decode is for, not short essay text; the best policy becomes
+  what ``sparse="auto"`` decodes with (:func:`choose_auto`);
 
 A knob's agreement is over every compared position (first token + steps, all cases): with
 few cases the first token alone is too coarse a gate (4 cases: 0, 25, 50, 75 or 100%).
@@ -45,14 +48,16 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from semkv.engine import Engine
+from semkv.evaluation import ruler
 from semkv.evaluation.essays import essays, haystack
 from semkv.evaluation.metrics import logit_kl, top1_agree
 from semkv.profile import PROFILE_VERSION, EngineDefaults, share_config_at, write_profile
 from semkv.request import GenerateRequest
-from semkv.sparse.decoder import SparseConfig, SparseDecoder
 from semkv.sparse.registry import make_policy
 
 log = logging.getLogger(__name__)
+
+SPARSE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "vt", "qa_1", "fwe")
 
 
 @dataclass
@@ -68,8 +73,10 @@ class CalibrationConfig:
     decode_steps: teacher-forced decode steps compared per case (after the first token).
     target: top-1 agreement a value must reach to be the default.
     edit_share: share of the document's sentences replaced in a share case's target prompt.
-    window_variant: on models with sliding-window layers also measure sparse decode with the
-        window layers attending to their whole window (``SparseConfig.dense_layers``; not a default).
+    sparse_context_tokens: tokens of a sparse case (RULER dev cases; sparse decode is for long prompts).
+    sparse_tasks: the RULER tasks sparse cases cycle through.
+    auto_min_context: prompts shorter than this decode dense under ``sparse="auto"`` (at 2K tokens
+        attention is too small a share of a step for sparse decode to pay: ``semkv bench sparse --e2e``).
     seed: seeds the cases.
     """
 
@@ -78,13 +85,15 @@ class CalibrationConfig:
     chunks: int = 4
     ratios: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.3, 0.5)
     budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5)
-    policies: tuple[str, ...] = ("keykey", "hybrid", "quest")
+    policies: tuple[str, ...] = ("probe", "keykey", "hybrid", "quest")
     decode_steps: int = 8
     target: float = 0.9
     edit_share: float = 0.1
     seed: int = 0
     techniques: tuple[str, ...] = ("blend", "share", "sparse")
-    window_variant: bool = False  # also measure sparse with window layers dense (models with window layers)
+    sparse_context_tokens: int = 4096
+    sparse_tasks: tuple[str, ...] = SPARSE_TASKS
+    auto_min_context: int = 4096
 
     def __post_init__(self) -> None:
         if self.cases < 1 or self.chunks < 1 or self.decode_steps < 1:
@@ -102,6 +111,17 @@ class CalibrationConfig:
             raise ValueError(f"target must be in (0, 1], got {self.target}")
         if not 0.0 <= self.edit_share < 1.0:
             raise ValueError(f"edit_share must be in [0, 1), got {self.edit_share}")
+        if self.sparse_context_tokens < 256:
+            raise ValueError(f"sparse_context_tokens must be >= 256, got {self.sparse_context_tokens}")
+        bad_tasks = set(self.sparse_tasks) - set(ruler.TASK_NAMES)
+        if bad_tasks or not self.sparse_tasks:
+            raise ValueError(
+                f"sparse_tasks must be RULER tasks ({', '.join(ruler.TASK_NAMES)}), got {self.sparse_tasks}"
+            )
+        if self.auto_min_context < 0:
+            raise ValueError(f"auto_min_context must be >= 0, got {self.auto_min_context}")
+        if "oracle" in self.policies or "dense" in self.policies:
+            raise ValueError("policies must be sparse decode methods (not oracle or dense)")
         unknown = set(self.techniques) - {"blend", "share", "sparse"}
         if unknown or not self.techniques:
             raise ValueError(f"techniques must be among blend, share, sparse; got {self.techniques}")
@@ -158,10 +178,20 @@ def share_cases(tokenizer, config: CalibrationConfig) -> list[tuple[str, str]]:
     return out
 
 
-def sparse_cases(tokenizer, config: CalibrationConfig) -> list[str]:
-    question = "\n\nWhat is the main argument of the text above? Answer briefly."
+def sparse_cases(tokenizer, config: CalibrationConfig) -> list[dict[str, Any]]:
+    """GenerateRequest fields of RULER dev cases (tasks in turn), ``sparse_context_tokens`` long."""
     return [
-        haystack(tokenizer, config.context_tokens, start_essay=3 * i + 2) + question
+        ruler.request_options(
+            tokenizer,
+            ruler.make_case(
+                tokenizer,
+                config.sparse_tasks[i % len(config.sparse_tasks)],
+                config.sparse_context_tokens,
+                seed=config.seed,
+                index=i,
+                split="dev",
+            ),
+        )
         for i in range(config.cases)
     ]
 
@@ -292,23 +322,19 @@ def _teacher_forced(engine: Engine, seq, tokens: list[int]) -> list[Tensor]:
 
 
 def measure_sparse(
-    engine: Engine,
-    config: CalibrationConfig,
-    progress: Callable | None = None,
-    window_layers_dense: bool = False,
+    engine: Engine, config: CalibrationConfig, progress: Callable | None = None
 ) -> dict[str, list[dict[str, Any]]]:
     """Per policy and budget: per-step KL / top-1 vs dense, teacher-forced on the dense greedy tokens.
-    Every policy decodes from a fork of one prefilled sequence.
-
-    window_layers_dense: the measurement variant where sliding-window layers attend to their whole
-    window (``SparseConfig.dense_layers``) and only global layers select (models with window layers).
-    """
-    windows = [engine.adapter.window(layer) for layer in range(engine.adapter.num_layers)]
-    dense_layers = tuple(i for i, w in enumerate(windows) if w is not None) if window_layers_dense else ()
+    Every policy decodes from a fork of one prefilled sequence (the engine's decoder: window layers
+    attend to their window)."""
     points = {p: [Point(b) for b in config.budgets] for p in config.policies}
-    for prompt in sparse_cases(engine.tokenizer, config):
+    for options in sparse_cases(engine.tokenizer, config):
         request = GenerateRequest(
-            prompt=prompt, max_new_tokens=config.decode_steps + 1, stop_at_eos=False, store_prompt=False
+            **options,
+            max_new_tokens=config.decode_steps + 1,
+            stop_at_eos=False,
+            store_prompt=False,
+            sparse=None,
         )
         base = engine.prefill(request, capture_queries=True)
         dense_seq = engine.fork(base)
@@ -318,16 +344,40 @@ def measure_sparse(
             dense.append(engine.decode_step(dense_seq))
         for policy, budget_points in points.items():
             for point in budget_points:
-                decoder = SparseDecoder(
-                    make_policy(policy),
-                    SparseConfig(kv_budget=point.value, dense_layers=dense_layers),
-                    engine.config.block_size,
-                )
-                seq = engine.fork(base, sparse=decoder)
+                seq = engine.fork(base, sparse=engine.sparse_decoder(make_policy(policy), point.value))
                 _compare(point, dense, _teacher_forced(engine, seq, tokens), first=False)
                 if progress:
                     progress()
     return {policy: [p.summary() for p in pts] for policy, pts in points.items()}
+
+
+def choose_auto(measurements: dict[str, list[dict[str, Any]]], config: CalibrationConfig) -> dict[str, Any]:
+    """What ``sparse="auto"`` decodes with: of the policies whose agreement reaches the target, the one
+    that needs the smallest budget (fewest blocks per step), ties to the higher agreement there; dense
+    when none does."""
+    passing = []
+    for policy, points in measurements.items():
+        budget, met = smallest_passing(points, config.target)
+        if met:
+            agreement = next(p["top1_agreement"] for p in points if p["value"] == budget)
+            passing.append((budget, -agreement, policy))
+    where = f"RULER dev cases of {config.sparse_context_tokens} tokens"
+    if not passing:
+        return {
+            "policy": None,
+            "kv_budget": config.budgets[-1],
+            "min_context": config.auto_min_context,
+            "reason": f"no policy reached top-1 agreement {config.target} on {where} at a budget up to "
+            f"{config.budgets[-1]}: dense decoding",
+        }
+    budget, neg_agreement, policy = min(passing)
+    return {
+        "policy": policy,
+        "kv_budget": budget,
+        "min_context": config.auto_min_context,
+        "reason": f"the smallest budget reaching top-1 agreement {config.target} on {where} "
+        f"(agreement {-neg_agreement:.3f}; policies tried: {', '.join(measurements)})",
+    }
 
 
 def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bool = True) -> dict[str, Any]:
@@ -340,9 +390,7 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
     if "share" in config.techniques:
         steps += config.cases * len(config.ratios)
     if "sparse" in config.techniques:
-        steps += (
-            config.cases * len(config.budgets) * len(config.policies) * (2 if config.window_variant else 1)
-        )
+        steps += config.cases * len(config.budgets) * len(config.policies)
     bar = tqdm(total=steps, desc=f"calibrating {engine.name}", disable=not show_progress)
     start = time.perf_counter()
     measurements: dict[str, Any] = {}
@@ -361,9 +409,7 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
         defaults["kv_budget"], met["sparse"] = {}, {}
         for policy, pts in measurements["sparse"].items():
             defaults["kv_budget"][policy], met["sparse"][policy] = smallest_passing(pts, config.target)
-        has_windows = any(engine.adapter.window(i) is not None for i in range(engine.adapter.num_layers))
-        if config.window_variant and has_windows:
-            measurements["sparse_window_layers_dense"] = measure_sparse(engine, config, bar.update, True)
+        defaults["sparse_auto"] = choose_auto(measurements["sparse"], config)
     bar.close()
     return {
         "version": PROFILE_VERSION,
@@ -419,9 +465,9 @@ def format_profile(profile: dict[str, Any]) -> str:
         rows("share", "first_ratio", m["share"], defaults.get("share_ratio"))
     for policy, pts in m.get("sparse", {}).items():
         rows(f"sparse {policy}", "kv_budget", pts, defaults["kv_budget"].get(policy))
-    for policy, pts in m.get("sparse_window_layers_dense", {}).items():
-        rows(f"sparse {policy}, window layers dense", "kv_budget", pts, None)
     lines += ["", f"met target: {json.dumps(profile['met_target'])}"]
+    if "sparse_auto" in defaults:
+        lines += [f"sparse='auto': {json.dumps(defaults['sparse_auto'])}"]
     return "\n".join(lines)
 
 
@@ -457,9 +503,10 @@ def add_parser(subparsers, add_engine_args: Callable) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--dry-run", action="store_true", help="measure and print, write no profile")
     p.add_argument(
-        "--window-variant",
-        action="store_true",
-        help="also measure sparse decode with sliding-window layers attending to their whole window",
+        "--sparse-context-tokens",
+        type=int,
+        default=defaults.sparse_context_tokens,
+        help="tokens of a sparse decode case (RULER dev cases)",
     )
     p.add_argument("--out", default=None, help="also write the profile JSON here")
     p.set_defaults(func=cmd_calibrate)
@@ -477,7 +524,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         techniques=tuple(t for t in args.techniques.split(",") if t),
         target=args.target,
         seed=args.seed,
-        window_variant=args.window_variant,
+        sparse_context_tokens=args.sparse_context_tokens,
     )
     # A memory-only store: calibration's chunks and prompts never land in the user's disk store.
     engine = Engine.from_args(args, store=StoreConfig(disk=False))

@@ -30,6 +30,14 @@ def _engine(args: argparse.Namespace):
     return Engine.from_args(args)
 
 
+def _budget(text: str) -> float | int:
+    """A kv_budget from the command line: a fraction ("0.1") or a token count ("512")."""
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction or a token count, got {text!r}") from None
+
+
 def _read_text_file(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -47,6 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         reuse=args.reuse,
         temperature=args.temperature,
+        sparse=None if args.sparse == "dense" else args.sparse,
+        kv_budget=args.kv_budget,
     )
     GenerateRequest(**options)  # bad input fails here, before the model loads
     engine = _engine(args)
@@ -101,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--reuse", default="auto")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--sparse",
+        default="auto",
+        help="sparse decode policy: auto (the calibrated profile's best; dense without one), dense, or a "
+        "policy name (keykey, quest, ...)",
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=_budget,
+        default=None,
+        help="sparse decode budget: a fraction of the context (0, 1] or a token count (default: calibrated)",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="run an evaluation suite (JSON + Markdown + plots)")

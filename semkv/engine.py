@@ -36,14 +36,14 @@ from semkv.models.runtime import Runtime
 from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
 from semkv.prompt import PromptLayout, build_layout
 from semkv.request import GenerateRequest, Generation
-from semkv.reuse.base import Plan, PrefillContext, Refusal, ReusePath
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
 from semkv.reuse.registry import FULL, build_paths
 from semkv.sequence import Sequence, TokenCallback
 from semkv.sparse.base import SparsePolicy
 from semkv.sparse.decoder import SparseDecoder
-from semkv.sparse.index import capture_prefill_queries
+from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.store import KVStore
 
@@ -153,7 +153,12 @@ class Engine:
     def layout(self, request: GenerateRequest) -> PromptLayout:
         """The request's prompt as tokenized segments; a ValueError if it is empty or too long."""
         layout = build_layout(
-            self.tokenizer, request.prompt, request.messages, request.chunks, request.use_chat_template
+            self.tokenizer,
+            request.prompt,
+            request.messages,
+            request.chunks,
+            request.use_chat_template,
+            request.assistant_prefix,
         )
         total = len(layout) + request.max_new_tokens
         if len(layout) == 0:
@@ -203,8 +208,8 @@ class Engine:
             options = self.defaults.reuse_options(request)
             plan, refusals = self.plan(request, layout)
             cache = self.runtime.new_cache(len(layout) + request.max_new_tokens)
-            kv_budget = self.defaults.kv_budget_for(request)
-            sparse = decoder_for(request.sparse, kv_budget, self.config.block_size)
+            policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(layout))
+            sparse = self.sparse_decoder(policy, kv_budget)
             capture = capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries)
             queries = None
             if capture:
@@ -214,6 +219,9 @@ class Engine:
                     sparse.prefill = queries
             else:
                 outcome = self.paths[plan.path].prefill(self.ctx, plan, cache)
+            blocks, summarise_s = self._summarise(cache, outcome)
+            if sparse is not None:
+                sparse.attach(blocks)
             seq = Sequence(
                 request=request,
                 options=options,
@@ -227,11 +235,38 @@ class Engine:
                 eos_ids=self.eos_ids,
                 kv_budget=kv_budget,
                 prefill_queries=queries,
-                notes=self._fallback_note(options.mode, outcome.path, refusals),
+                blocks=blocks,
+                summarise_s=summarise_s,
+                notes={**self._fallback_note(options.mode, outcome.path, refusals), **sparse_notes},
             )
             seq.sample(outcome.logits)
             seq.ttft_s = time.perf_counter() - start
             return seq
+
+    def _summarise(self, cache, outcome: PrefillOutcome) -> tuple[BlockIndex, float]:
+        """The block summaries of a freshly prefilled cache (write time: sparse decode then starts with
+        every prompt block summarised): those the reused blocks carried, the rest computed from the rows.
+        Returns the index and the seconds spent (part of the TTFT)."""
+        start = time.perf_counter()
+        blocks = BlockIndex(cache, self.config.block_size)
+        for summary in outcome.stored_summaries:
+            try:
+                blocks.insert(summary)
+            except ValueError as exc:  # stored by another version: summarise the rows instead
+                log.warning("recomputing block summaries: %s", exc)
+                break
+        blocks.add_blocks()
+        outcome.summaries = blocks
+        return blocks, time.perf_counter() - start
+
+    def sparse_decoder(
+        self, policy: str | SparsePolicy | None, kv_budget: float | int, **config: Any
+    ) -> SparseDecoder | None:
+        """A sparse decoder for this engine's model (its window layers attend to their window), or None
+        for dense decoding. ``config``: further :class:`~semkv.sparse.decoder.SparseConfig` fields."""
+        windows = tuple(self.adapter.window(layer) for layer in range(self.adapter.num_layers))
+        config.setdefault("layer_windows", windows)
+        return decoder_for(policy, kv_budget, self.config.block_size, **config)
 
     @staticmethod
     def _fallback_note(mode: str, path: str, refusals: list[Refusal]) -> dict[str, Any]:
@@ -311,7 +346,7 @@ class Engine:
             if isinstance(sparse, SparseDecoder):
                 decoder: SparseDecoder | None = sparse
             else:
-                decoder = decoder_for(sparse, budget, self.config.block_size)
+                decoder = self.sparse_decoder(sparse, budget)
             if decoder is not None and decoder.policy.needs_prefill_queries:
                 if seq.prefill_queries is None:
                     raise ValueError(
@@ -321,9 +356,14 @@ class Engine:
                 decoder.prefill = seq.prefill_queries
             generator = torch.Generator()
             generator.set_state(seq.generator.get_state())
+            cache = copy.deepcopy(seq.cache)
+            blocks = seq.blocks.copy(cache) if seq.blocks is not None else None
+            if decoder is not None and blocks is not None:
+                decoder.attach(blocks)
             return replace(
                 seq,
-                cache=copy.deepcopy(seq.cache),
+                cache=cache,
+                blocks=blocks,
                 sparse=decoder,
                 generator=generator,
                 kv_budget=budget,

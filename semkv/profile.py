@@ -19,6 +19,8 @@ from typing import Any
 
 from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest
 from semkv.reuse.options import BlendConfig, ReuseOptions, ShareConfig
+from semkv.sparse.base import SparsePolicy
+from semkv.sparse.registry import AUTO, validate_sparse
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,55 @@ PROFILE_DIR = "profiles"
 
 
 @dataclass(frozen=True)
+class AutoSparse:
+    """What ``sparse="auto"`` decodes with.
+
+    policy: a policy name, or None for dense decoding. kv_budget: its budget. min_context: prompts
+    shorter than this decode dense (attention is too small a share of a step there for sparse decode
+    to pay). reason: why (shown in the generation's stats as ``sparse_auto``).
+    """
+
+    policy: str | None
+    kv_budget: float | int = DEFAULT_KV_BUDGET
+    min_context: int = 0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        validate_sparse(self.policy, self.kv_budget)
+        if self.policy == AUTO:
+            raise ValueError("sparse_auto.policy must name a policy (or be null for dense), not 'auto'")
+        if (
+            isinstance(self.min_context, bool)
+            or not isinstance(self.min_context, int)
+            or self.min_context < 0
+        ):
+            raise ValueError(f"sparse_auto.min_context must be an int >= 0, got {self.min_context!r}")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AutoSparse:
+        policy = data.get("policy")
+        budget = data.get("kv_budget", DEFAULT_KV_BUDGET)
+        return cls(
+            policy=None if policy in (None, "dense") else str(policy),
+            kv_budget=float(budget) if isinstance(budget, float) else int(budget),
+            min_context=int(data.get("min_context", 0)),
+            reason=str(data.get("reason", "")),
+        )
+
+
+NO_PROFILE_AUTO = AutoSparse(
+    None, reason="no calibrated profile for this model (run `semkv calibrate`): dense decoding"
+)
+
+
+@dataclass(frozen=True)
 class Profile:
     """A calibrated profile as read from disk.
 
     fingerprint: the model fingerprint it was measured on; target: the agreement it was chosen at.
     blend_recompute_ratio / share_ratio: the chosen ratios (None: not measured).
-    kv_budget: sparse policy -> chosen budget. path: the file it came from.
+    kv_budget: sparse policy -> chosen budget. sparse_auto: what ``sparse="auto"`` resolves to (the best
+    measured policy), or None when the profile did not measure it. path: the file it came from.
     data: the whole JSON document (measurements included).
     """
 
@@ -41,6 +86,7 @@ class Profile:
     blend_recompute_ratio: float | None = None
     share_ratio: float | None = None
     kv_budget: dict[str, float] = field(default_factory=dict)
+    sparse_auto: AutoSparse | None = None
     path: str = ""
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -57,6 +103,9 @@ class Profile:
             kv_budget={
                 str(k): float(v) for k, v in (defaults.get("kv_budget") or {}).items() if v is not None
             },
+            sparse_auto=AutoSparse.from_json(defaults["sparse_auto"])
+            if defaults.get("sparse_auto")
+            else None,
             path=path,
             data=data,
         )
@@ -74,12 +123,14 @@ class EngineDefaults:
 
     blend / share: the configs of requests that give none (``recompute_ratio=`` still applies on top).
     kv_budget: sparse policy -> budget; a policy not listed gets ``DEFAULT_KV_BUDGET``.
+    sparse_auto: what ``sparse="auto"`` resolves to (without a profile: dense, saying why).
     profile: the calibrated profile these came from, or None for the built-in defaults.
     """
 
     blend: BlendConfig = field(default_factory=BlendConfig)
     share: ShareConfig = field(default_factory=ShareConfig)
     kv_budget: dict[str, float | int] = field(default_factory=dict)
+    sparse_auto: AutoSparse = NO_PROFILE_AUTO
     profile: Profile | None = None
 
     def reuse_options(self, request: GenerateRequest) -> ReuseOptions:
@@ -97,6 +148,24 @@ class EngineDefaults:
         policy = getattr(request.sparse, "name", request.sparse)
         return self.kv_budget.get(policy, DEFAULT_KV_BUDGET) if isinstance(policy, str) else DEFAULT_KV_BUDGET
 
+    def resolve_sparse(
+        self, request: GenerateRequest, prompt_tokens: int
+    ) -> tuple[str | SparsePolicy | None, float | int, dict[str, Any]]:
+        """(policy, kv_budget, notes) a request decodes with: ``sparse="auto"`` becomes the profile's
+        best measured policy and budget (dense without a profile, or below its ``min_context``; the
+        notes say which and why); any other choice is the request's own, its budget per
+        :meth:`kv_budget_for`."""
+        if request.sparse != AUTO:
+            return request.sparse, self.kv_budget_for(request), {}
+        auto = self.sparse_auto
+        if auto.policy is not None and prompt_tokens < auto.min_context:
+            why = f"prompt of {prompt_tokens} tokens < {auto.min_context}: dense decoding"
+            return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}
+        budget = request.kv_budget if request.kv_budget is not None else auto.kv_budget
+        chosen = auto.policy or "dense"
+        reason = auto.reason or f"the calibrated profile's best policy: {chosen}"
+        return auto.policy, budget, {"sparse_auto": f"{chosen} @ {budget}: {reason}"}
+
 
 def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
     """The engine defaults a profile implies (the built-in ones for what it does not set)."""
@@ -106,7 +175,13 @@ def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
     if profile.blend_recompute_ratio is not None:
         blend = BlendConfig(recompute_ratio=profile.blend_recompute_ratio)
     share = share_config_at(profile.share_ratio) if profile.share_ratio is not None else ShareConfig()
-    return EngineDefaults(blend=blend, share=share, kv_budget=dict(profile.kv_budget), profile=profile)
+    auto = profile.sparse_auto or AutoSparse(
+        None,
+        reason="the calibrated profile has no sparse_auto entry (re-run `semkv calibrate`): dense decoding",
+    )
+    return EngineDefaults(
+        blend=blend, share=share, kv_budget=dict(profile.kv_budget), sparse_auto=auto, profile=profile
+    )
 
 
 # -- profile files ------------------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 Every path (full prefill, prefix reuse, blend, share) sees the same token ids for
 the same request, because the layout is built once, segment by segment:
 
-    template prefix | chunk 1 | sep | chunk 2 | sep | ... | body | suffix
+    template prefix | chunk 1 | sep | chunk 2 | sep | ... | body | suffix | reply
 
 Each segment is tokenized on its own, so a context chunk has the same token ids in
 every request it appears in (the precondition of chunk reuse). For chat models the
 chunks and the body sit inside the last user turn; for base models there is no
-template.
+template. ``reply`` is an optional start of the assistant's reply (e.g. RULER's answer prefix)
+that the generation continues; it follows the generation prompt as its own segment.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-SegmentKind = Literal["template", "chunk", "separator", "body", "suffix"]
+SegmentKind = Literal["template", "chunk", "separator", "body", "suffix", "reply"]
 SENTINEL = "\u2063SEMKVBODY\u2063"
 CHUNK_SEPARATOR = "\n\n"
 
@@ -71,10 +72,12 @@ def build_layout(
     messages: Sequence[dict[str, str]] | None = None,
     chunks: Sequence[str] = (),
     use_chat_template: bool | None = None,
+    assistant_prefix: str = "",
 ) -> PromptLayout:
     """Lay out a request. Exactly one of ``prompt`` / ``messages`` is given.
 
     use_chat_template: None = use it when the tokenizer has one.
+    assistant_prefix: text the reply starts with, after the generation prompt (tokenized on its own).
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt= or messages=")
@@ -111,4 +114,5 @@ def build_layout(
         segments.append(Segment("separator", CHUNK_SEPARATOR, _tokenize(tokenizer, CHUNK_SEPARATOR)))
     segments.append(Segment("body", body, _tokenize(tokenizer, body)))
     segments.append(Segment("suffix", suffix_text, _tokenize(tokenizer, suffix_text)))
+    segments.append(Segment("reply", assistant_prefix, _tokenize(tokenizer, assistant_prefix)))
     return PromptLayout([s for s in segments if s.token_ids or s.kind == "chunk"])

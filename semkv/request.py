@@ -28,12 +28,16 @@ class GenerateRequest:
     temperature: 0 = greedy; top_p: nucleus sampling when temperature > 0; seed: sampling seed.
     use_chat_template: None = wrap a prompt in the tokenizer's chat template when it has one;
         False = the prompt is plain text (a completion); True = require the template.
+    assistant_prefix: text the reply starts with (e.g. "The answer is"), placed after the chat
+        template's generation prompt (after a plain prompt without the template); the generated
+        text continues it and does not repeat it.
     """
 
     prompt: str | None = None
     messages: Sequence[dict[str, str]] | None = None
     chunks: Sequence[str] = ()
     use_chat_template: bool | None = None
+    assistant_prefix: str = ""
     max_new_tokens: int = 64
     reuse: str = "auto"
     temperature: float = 0.0
@@ -44,7 +48,9 @@ class GenerateRequest:
     share: ShareConfig | dict | None = None  # reuse="share"/"auto" options (or a dict of its fields)
     recompute_ratio: float | None = None  # reuse="blend": fraction of cached chunk tokens recomputed
     blend: BlendConfig | dict | None = None  # reuse="blend"/"auto" options (or a dict of its fields)
-    sparse: str | SparsePolicy | None = None  # None/"dense", a name in semkv.sparse.POLICIES, or a policy
+    # "auto": the policy and budget the model's calibrated profile measured best (dense without a
+    # profile, or for prompts below its min_context); None/"dense"; a name in semkv.sparse.POLICIES; a policy
+    sparse: str | SparsePolicy | None = "auto"
     kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
     # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
 
@@ -79,6 +85,7 @@ class GenerateRequest:
             None if isinstance(self.sparse, SparsePolicy) else self.sparse,
             DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,
         )
+        _check_text("assistant_prefix", self.assistant_prefix)
         if self.use_chat_template is not None and not isinstance(self.use_chat_template, bool):
             raise ValueError(f"use_chat_template must be None, True or False, got {self.use_chat_template!r}")
         if self.use_chat_template is False and self.messages is not None:

@@ -21,7 +21,7 @@ from semkv.request import GenerateRequest
 from semkv.reuse.base import Plan, PrefillOutcome, Refusal
 from semkv.reuse.options import ReuseOptions
 from semkv.sparse.decoder import SparseDecoder
-from semkv.sparse.index import PrefillQueries
+from semkv.sparse.index import BlockIndex, PrefillQueries
 
 TokenCallback = Callable[[int], bool | None]  # a kept token id; returning False stops the generation
 
@@ -47,6 +47,8 @@ class Sequence:
     outcome: what the prefill did (path, reused/recomputed tokens, first-token logits [V]).
     sparse: the request's sparse decoder, or None for dense decoding.
     prefill_queries: queries captured at prefill (when asked for), so a fork can run SnapKV / H2O.
+    blocks: summaries of the cache's complete blocks, computed as the prefill wrote them (the sparse
+        decoder reads and extends them); summarise_s: the time that took (within the TTFT).
     emitted: how many of ``tokens`` were handed to a streaming callback.
     """
 
@@ -63,7 +65,9 @@ class Sequence:
     kv_budget: float | int
     tokens: list[int] = field(default_factory=list)
     prefill_queries: PrefillQueries | None = None
+    blocks: BlockIndex | None = None
     ttft_s: float = 0.0
+    summarise_s: float = 0.0
     decode_s: float = 0.0
     store_s: float = 0.0
     stored: bool = False
@@ -133,6 +137,7 @@ class Sequence:
             "decode_s": self.decode_s,
             "decode_ms_per_token": 1000 * self.decode_s / max(1, len(generated) - 1),
             "store_s": self.store_s,
+            "prefill_summarise_s": self.summarise_s,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": len(generated),
             "reused_tokens": self.outcome.reused_tokens,

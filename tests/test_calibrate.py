@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from semkv.calibrate import CalibrationConfig, calibrate, format_profile, smallest_passing
+from semkv.calibrate import CalibrationConfig, calibrate, choose_auto, format_profile, smallest_passing
 from semkv.cli import build_parser
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
@@ -115,6 +115,7 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
         budgets=(0.1, 1.0),
         policies=("keykey", "streaming"),
         decode_steps=3,
+        sparse_context_tokens=512,
     )
     profile = calibrate(engine, config, show_progress=False)
     m = profile["measurements"]
@@ -138,23 +139,41 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
     assert load_profile(engine.config.home_path, engine.fingerprint).data["defaults"] == profile["defaults"]
 
 
-def test_window_variant_on_a_model_with_window_layers(make_tiny_engine):
-    """Gemma 3 tiny (window 8): the window-layers-dense variant is measured too, exact at full budget."""
+def test_sparse_calibration_on_a_model_with_window_layers_chooses_auto(make_tiny_engine):
+    """Gemma 3 tiny (window 8): sparse measured on RULER-style cases (window layers on their window),
+    exact at full budget, and sparse_auto names a policy that passed (or dense, saying why)."""
     engine = make_tiny_engine("gemma3_text", disk=False, block_size=4)
     config = CalibrationConfig(
-        cases=1,
-        context_tokens=96,
+        cases=2,
         budgets=(0.2, 1.0),
-        policies=("keykey",),
+        policies=("probe", "keykey"),
         decode_steps=3,
         techniques=("sparse",),
-        window_variant=True,
+        sparse_context_tokens=512,
+        auto_min_context=123,
     )
     profile = calibrate(engine, config, show_progress=False)
-    variant = profile["measurements"]["sparse_window_layers_dense"]["keykey"]
-    assert [p["n"] for p in variant] == [3, 3]
-    assert variant[-1]["kl_mean"] < 1e-6 and variant[-1]["top1_agreement"] == 1.0
-    assert "window layers dense" in format_profile(profile)
+    for policy in ("probe", "keykey"):
+        full = profile["measurements"]["sparse"][policy][-1]
+        assert full["n"] == 6 and full["kl_mean"] < 1e-6 and full["top1_agreement"] == 1.0
+    auto = profile["defaults"]["sparse_auto"]
+    assert auto["policy"] in ("probe", "keykey") and auto["min_context"] == 123
+    assert auto["kv_budget"] == profile["defaults"]["kv_budget"][auto["policy"]]
+    assert "sparse='auto'" in format_profile(profile)
+
+
+def test_choose_auto_prefers_the_smallest_passing_budget():
+    config = CalibrationConfig(budgets=(0.1, 0.2, 0.5), target=0.9)
+
+    def points(*agreements):
+        return [{"value": b, "top1_agreement": a} for b, a in zip(config.budgets, agreements, strict=True)]
+
+    chosen = choose_auto({"keykey": points(0.5, 0.92, 0.95), "probe": points(0.91, 0.93, 0.99)}, config)
+    assert (chosen["policy"], chosen["kv_budget"]) == ("probe", 0.1)
+    tie = choose_auto({"keykey": points(0.5, 0.95, 0.99), "probe": points(0.5, 0.93, 0.99)}, config)
+    assert (tie["policy"], tie["kv_budget"]) == ("keykey", 0.2)
+    none = choose_auto({"keykey": points(0.1, 0.2, 0.3)}, config)
+    assert none["policy"] is None and "dense" in none["reason"]
 
 
 def test_cli_registers_calibrate():

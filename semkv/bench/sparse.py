@@ -16,6 +16,7 @@ top-k and where the needle is.
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import statistics
 import time
@@ -45,8 +46,31 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suite",
+        choices=("needles", "ruler"),
+        default="needles",
+        help="needles: passkey / multi-fact in essays (plain text); ruler: RULER's 13 tasks as users send them",
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="context tokens")
-    p.add_argument("--cases", type=int, default=30, help="cases per length")
+    p.add_argument("--cases", type=int, default=30, help="cases per length (ruler: per task and length)")
+    p.add_argument("--tasks", nargs="+", default=None, help="ruler: tasks (default: all 13)")
+    p.add_argument("--split", choices=("dev", "test"), default="test", help="ruler: case split")
+    p.add_argument(
+        "--gen-cap",
+        type=int,
+        default=None,
+        help="ruler: at most this many new tokens (default: RULER's per task)",
+    )
+    p.add_argument("--resume", action="store_true", help="ruler: skip cases already in the results file")
+    p.add_argument("--merge", nargs="+", default=None, help="ruler: only summarise these *_cases.jsonl files")
+    p.add_argument(
+        "--e2e",
+        action="store_true",
+        help="end-to-end decode time (first decoded token to last) per answer length, on a RULER case",
+    )
+    p.add_argument("--e2e-new-tokens", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--e2e-reps", type=int, default=3)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
     p.add_argument("--policies", nargs="+", default=MAIN_POLICIES)
     p.add_argument(
@@ -103,7 +127,20 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]
 
 
 def _policy(label: str, options: dict[str, Any]):
-    return KeyKeyPolicy(**options) if label.startswith("keykey-") else make_policy(label, **options)
+    """A policy from a run label: a registered name, a seed ablation ("keykey-..."), or a variant
+    "name:field=value,field=value" (values as Python literals), e.g. "probe:head_agg='mass'"."""
+    if label.startswith("keykey-"):
+        return KeyKeyPolicy(**options)
+    name, _, variant = label.partition(":")
+    for item in filter(None, variant.split(",")):
+        key, _, value = item.partition("=")
+        options = {**options, key: ast.literal_eval(value)}
+    return make_policy(name, **options)
+
+
+def make_decoder(engine, label: str, budget: float, options: dict[str, Any], **config: Any) -> SparseDecoder:
+    """The engine's decoder (window layers on their window) for a policy label of ``_configs``."""
+    return engine.sparse_decoder(_policy(label, options), budget, **config)
 
 
 def decode_run(engine, base, steps: int, decoder: SparseDecoder | None) -> tuple:
@@ -129,6 +166,7 @@ def case_request(case: NeedleCase, max_new_tokens: int) -> GenerateRequest:
         stop_at_eos=False,
         store_prompt=False,
         reuse="none",
+        sparse=None,  # each policy decodes from a fork
     )
 
 
@@ -229,9 +267,7 @@ def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> 
     )
     sparse_cfg = SparseConfig(kv_budget=0.1)
     for label, budget, options in configs:
-        decoder = SparseDecoder(
-            _policy(label, options), SparseConfig(kv_budget=budget, record_queries=not args.no_overlap), bs
-        )
+        decoder = make_decoder(engine, label, budget, options, record_queries=not args.no_overlap)
         tokens, step_s, cache = decode_run(engine, base, steps, decoder)
         run = Run(
             label,
@@ -373,14 +409,11 @@ def _plots(out: Path, name: str, rows: list[dict[str, Any]]) -> None:
 def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Decode dense and every policy in turn, one step each, rotating the order every step, so a
     machine whose load changes by the second slows all of them alike. Ratios are per step pair."""
-    bs = engine.config.block_size
     ids = prompt_ids(engine.tokenizer, case)
     base = engine.prefill(case_request(case, args.speed_steps + 2), capture_queries=True)
     labels = ["dense", *args.speed_policies]
     decoders = {
-        label: None
-        if label == "dense"
-        else SparseDecoder(make_policy(label), SparseConfig(kv_budget=args.ablation_budget), bs)
+        label: None if label == "dense" else make_decoder(engine, label, args.ablation_budget, {})
         for label in labels
     }
     seqs = {label: engine.fork(base, sparse=decoders[label]) for label in labels}
@@ -418,6 +451,12 @@ def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> lis
 def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
+    if args.suite == "ruler" or args.e2e:
+        from semkv.bench import sparse_ruler
+
+        if args.e2e:
+            return sparse_ruler.run_e2e(args, make_decoder)
+        return sparse_ruler.run(args, _configs(args), make_decoder)
     torch.set_num_threads(args.threads or 1)
     engine = Engine.from_args(args, threads=args.threads or 1)
     out = Path(args.out)

@@ -74,6 +74,7 @@ __all__ = [
     "make_case",
     "make_cases",
     "prompt_ids",
+    "request_options",
     "score",
     "string_match_all",
     "string_match_part",
@@ -170,6 +171,23 @@ def _ids(
     if rendering.answer_prefix:
         ids = ids + list(tokenizer(answer_prefix.strip(), add_special_tokens=False)["input_ids"])
     return ids
+
+
+def request_options(tokenizer, case: RulerCase) -> dict[str, object]:
+    """The case as :class:`semkv.request.GenerateRequest` fields that lay out exactly :func:`prompt_ids`:
+    chat messages with the answer prefix opening the reply, or RULER's plain text."""
+    chat = (
+        bool(getattr(tokenizer, "chat_template", None))
+        if case.rendering.chat is None
+        else case.rendering.chat
+    )
+    if chat:
+        return {
+            "messages": case.messages(),
+            "assistant_prefix": case.assistant_start(),
+            "use_chat_template": True,
+        }
+    return {"prompt": case.plain_text(), "use_chat_template": False}
 
 
 def prompt_ids(tokenizer, case: RulerCase) -> list[int]:

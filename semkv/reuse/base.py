@@ -11,6 +11,7 @@ by :func:`semkv.reuse.registry.build_paths`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,10 +50,26 @@ class Refusal:
     reason: str
 
 
+class BlockSummaries(Protocol):
+    """Per-block summaries of a cache's complete blocks (:class:`semkv.sparse.index.BlockIndex`)."""
+
+    num_complete: int
+
+    def block_summaries(self, block: int) -> dict[str, Tensor]:
+        """The summaries of one complete block ({kind: tensor}), as the store keeps them."""
+        ...
+
+
 @dataclass
 class PrefillOutcome:
     """logits: [V] of the last prompt token. exact: the cache now equals a full prefill's
-    (so its rows may be stored as exact prefix blocks)."""
+    (so its rows may be stored as exact prefix blocks).
+
+    stored_summaries: the block summaries that came with the leading blocks loaded from the store
+        (block 0, 1, ... in order), so they are not recomputed.
+    summaries: the summaries of the cache's complete blocks once the engine has them (after the
+        prefill); ``after_prefill`` stores them with the blocks it stores.
+    """
 
     logits: Tensor
     path: str
@@ -60,6 +77,8 @@ class PrefillOutcome:
     recomputed_tokens: int
     exact: bool
     info: dict[str, Any] = field(default_factory=dict)
+    stored_summaries: list[Mapping[str, Tensor]] = field(default_factory=list)
+    summaries: BlockSummaries | None = None
 
 
 class ReusePath(Protocol):

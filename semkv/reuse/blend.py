@@ -209,8 +209,9 @@ class BlendReuse:
         held = [b.key for b in plan.prefix_blocks] + [c.key for c in plan.chunks if c is not None]
         forced: list[bool] = []
         with ctx.store.pinned(held):
+            stored = []
             if plan.prefix_tokens:
-                load_prefix(ctx, cache, plan.prefix_blocks, plan.prefix_tokens)
+                stored = load_prefix(ctx, cache, plan.prefix_blocks, plan.prefix_tokens)
             start = cache.length
             chunk_index = 0
             for seg, s, e in layout.spans():
@@ -261,6 +262,7 @@ class BlendReuse:
             recomputed_tokens=recomputed,
             exact=False,
             info=info,
+            stored_summaries=stored,
         )
 
     def after_prefill(
@@ -277,7 +279,7 @@ class BlendReuse:
             return
         exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
         if exact_rows >= ctx.block_size:
-            store_prefix(ctx, cache, layout.token_ids[:exact_rows])
+            store_prefix(ctx, cache, layout.token_ids[:exact_rows], summaries=outcome.summaries)
         if outcome.info.get("chunk_misses"):
             sink = sink_tokens(ctx, options.blend.sink)
             for seg, _, _ in layout.chunk_spans():

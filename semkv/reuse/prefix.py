@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
+from semkv.reuse.base import BlockSummaries, Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import ReuseOptions
 from semkv.store.entry import KVEntry
 from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, prefix_block_keys, prefix_digests
@@ -39,16 +40,48 @@ def lookup_prefix(store: KVStore, block_size: int, token_ids: list[int]) -> list
     return found
 
 
-def load_prefix(ctx: PrefillContext, cache: KVCache, blocks: list[KVEntry], num_tokens: int) -> None:
-    """Load the first ``num_tokens`` tokens of ``blocks`` into ``cache`` at positions 0.."""
+SUMMARY_EXTRA = "summary."  # prefix of a stored block's extras that hold its summaries
+
+
+def summary_extras(summaries: BlockSummaries | None, block: int) -> dict[str, Tensor]:
+    """The extras that store block ``block``'s summaries with it ({} if it has none)."""
+    if summaries is None or block >= summaries.num_complete:
+        return {}
+    return {SUMMARY_EXTRA + kind: t for kind, t in summaries.block_summaries(block).items()}
+
+
+def stored_summaries(blocks: list[KVEntry], num_tokens: int, block_size: int) -> list[dict[str, Tensor]]:
+    """The summaries carried by the leading blocks whose rows are all loaded (up to the first without)."""
+    out = []
+    for block in blocks[: num_tokens // block_size]:
+        found = {k[len(SUMMARY_EXTRA) :]: t for k, t in block.extras.items() if k.startswith(SUMMARY_EXTRA)}
+        if not found:
+            break
+        out.append(found)
+    return out
+
+
+def load_prefix(
+    ctx: PrefillContext, cache: KVCache, blocks: list[KVEntry], num_tokens: int
+) -> list[dict[str, Tensor]]:
+    """Load the first ``num_tokens`` tokens of ``blocks`` into ``cache`` at positions 0..; returns the
+    summaries the fully loaded blocks carry (see :func:`stored_summaries`)."""
     k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
     v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
     token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
     ctx.runtime.load_rows(cache, k, v, torch.arange(num_tokens), token_ids)
+    return stored_summaries(blocks, num_tokens, ctx.block_size)
 
 
-def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip_blocks: int = 0) -> int:
-    """Store every full block of the cache's first ``len(token_ids)`` rows from block ``skip_blocks`` on.
+def store_prefix(
+    ctx: PrefillContext,
+    cache: KVCache,
+    token_ids: list[int],
+    skip_blocks: int = 0,
+    summaries: BlockSummaries | None = None,
+) -> int:
+    """Store every full block of the cache's first ``len(token_ids)`` rows from block ``skip_blocks`` on,
+    each with its summaries from ``summaries`` when it has them (so a later hit does not recompute them).
 
     The rows must hold exact (full-prefill-equivalent) KV at positions 0... Returns blocks written.
     """
@@ -71,6 +104,7 @@ def store_prefix(ctx: PrefillContext, cache: KVCache, token_ids: list[int], skip
                 v,
                 block_size=size,
                 parent=parent,
+                extras=summary_extras(summaries, index),
                 meta={PREFIX_DIGEST_META: digests[index]},
             )
         )
@@ -93,7 +127,7 @@ class PrefixReuse:
         assert isinstance(plan, PrefixPlan)
         token_ids = plan.layout.token_ids
         with ctx.store.pinned([b.key for b in plan.blocks]):
-            load_prefix(ctx, cache, plan.blocks, plan.reused_tokens)
+            summaries = load_prefix(ctx, cache, plan.blocks, plan.reused_tokens)
         logits = ctx.runtime.prefill(cache, token_ids[plan.reused_tokens :])
         return PrefillOutcome(
             logits,
@@ -102,6 +136,7 @@ class PrefixReuse:
             len(token_ids) - plan.reused_tokens,
             exact=True,
             info={"prefix_blocks": len(plan.blocks)},
+            stored_summaries=summaries,
         )
 
     def after_prefill(
@@ -114,4 +149,4 @@ class PrefixReuse:
     ) -> None:
         """Store an exact prefill's full blocks as prefix blocks (any path whose outcome is exact)."""
         if outcome.exact:
-            store_prefix(ctx, cache, layout.token_ids)
+            store_prefix(ctx, cache, layout.token_ids, summaries=outcome.summaries)

@@ -38,6 +38,8 @@ class StepView:
     layer: the layer being scored (per-layer policies), None for a once-per-step choice.
     q_rot: [nh, 1, d] rotated query of ``layer`` (per-layer policies only).
     prefill: queries captured during prefill (SnapKV, H2O), or None.
+    selecting: the layers that attend to selected blocks (not window or dense layers).
+    group: the layers that share this selection (per-group policies).
     """
 
     cache: KVCache
@@ -48,6 +50,8 @@ class StepView:
     layer: int | None = None
     q_rot: Tensor | None = None
     prefill: PrefillQueries | None = None
+    selecting: tuple[int, ...] = ()
+    group: tuple[int, ...] = ()
 
     def candidate_span(self) -> slice:
         """The candidates as a slice of block ids (they are always a contiguous range)."""
@@ -62,6 +66,7 @@ class SparsePolicy:
 
     Optional hooks (default: nothing): :meth:`prepare` once after prefill,
     :meth:`observe` after a layer's selection (H2O accumulates attention there),
+    :meth:`see_query` with each selecting layer's query of the step (after the step's selection),
     :meth:`resident_hint` (which unselected blocks are worth keeping in the fast tier).
     """
 
@@ -77,6 +82,12 @@ class SparsePolicy:
     def is_dense(self) -> bool:
         return False
 
+    def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Layers that share one selection, in order: one group of every selecting layer (chosen once per
+        step, before layer 0 attends) unless :attr:`per_layer` (one group per layer). A policy may return
+        other groups: each is then chosen at its first layer, with that layer's query."""
+        return tuple((layer,) for layer in selecting) if self.per_layer else (selecting,)
+
     def score(self, view: StepView) -> Tensor:
         """Scores [C] for ``view.candidates`` (higher = more relevant; -inf = exclude)."""
         raise NotImplementedError
@@ -86,6 +97,9 @@ class SparsePolicy:
 
     def observe(self, view: StepView, selected: Tensor, keys: Tensor, k_pos: Tensor) -> None:  # noqa: B027
         """Called after a layer chose ``selected`` blocks; ``keys`` [kvh, R, d] are what it attends to."""
+
+    def see_query(self, layer: int, q_rot: Tensor) -> None:  # noqa: B027 - optional hook
+        """The rotated query [nh, 1, d] of ``layer`` at this step (called for the selecting layers only)."""
 
     def resident_hint(self) -> Tensor | None:
         """Bool mask over all blocks: worth keeping resident although unselected (None: nothing)."""
@@ -145,3 +159,4 @@ class StepRecord:
     resident_blocks: int = 0
     select_s: float = 0.0
     gather_s: float = 0.0
+    summarise_s: float = 0.0  # summarising a block the previous step completed

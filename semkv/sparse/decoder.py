@@ -1,7 +1,8 @@
 """The sparse decoder: turns a policy into the runtime's per-layer key gathering.
 
-Every decode step it (1) declares newly complete blocks to the :class:`BlockIndex`,
-(2) splits the cache into the always-kept *hot* rows — the sink block(s) and the
+Every decode step it (1) summarises the block the previous step completed, if any, in
+its :class:`BlockIndex` (the prompt's blocks were summarised when the prefill wrote them:
+:meth:`SparseDecoder.attach`), (2) splits the cache into the always-kept *hot* rows — the sink block(s) and the
 local window, which includes the new token — and the *candidate* blocks between
 them, (3) asks the policy for scores (once per step, or per layer with that layer's
 query), keeps the budget's top blocks, (4) makes them resident in the
@@ -10,7 +11,9 @@ neither selected nor worth keeping by the policy's residency hint) and (5) hands
 runtime the keys, values and positions of hot rows + selected blocks.
 
 If the budget covers every candidate the step is dense: the runtime attends to
-every row exactly as without a selector.
+every row exactly as without a selector. Sliding-window layers (``layer_windows``) never
+select: they attend to the rows of their window, a slice of the cache (what their mask
+leaves visible), whatever the budget.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ class SparseConfig:
     record_queries: keep each step's per-layer query (for oracle overlap, measured afterwards).
     dense_when_covered: a budget covering every candidate attends to the cache directly (exact);
         False still goes through the fast tier (tests use it to check the gather path).
-    dense_layers: layers that attend to every row (no selection), e.g. sliding-window layers whose
-        window already bounds their cost (``semkv calibrate --window-variant`` measures this).
+    dense_layers: layers that attend to every row (no selection).
+    layer_windows: per layer, its sliding window (None: a global layer); window layers attend to the
+        rows of their window only, sliced from the cache (the engine fills this from the model).
     """
 
     kv_budget: float | int = 0.1
@@ -51,6 +55,7 @@ class SparseConfig:
     record_queries: bool = False
     dense_when_covered: bool = True
     dense_layers: tuple[int, ...] = ()
+    layer_windows: tuple[int | None, ...] = ()
     budget: Budget = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +69,12 @@ class SparseConfig:
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.dense_layers):
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers!r}")
         self.dense_layers = tuple(self.dense_layers)
+        if any(
+            w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+            for w in self.layer_windows
+        ):
+            raise ValueError(f"layer_windows must be window sizes >= 1 or None, got {self.layer_windows!r}")
+        self.layer_windows = tuple(self.layer_windows)
 
 
 class SparseDecoder:
@@ -85,35 +96,65 @@ class SparseDecoder:
         self.index: BlockIndex | None = None
         self.tier: FastTier | None = None
         self._observes = type(policy).observe is not SparsePolicy.observe
+        self._sees_queries = type(policy).see_query is not SparsePolicy.see_query
+        self._selecting: tuple[int, ...] = ()
+        self._groups: list[tuple[int, ...]] = []
+        self._group_of: dict[int, int] = {}
+        self._at_step_start = True
         self._step = -1
         self._step_state: dict[str, Any] = {}
         self.prepare_s = 0.0
-        self._prepared = False
+        self._ordered = False  # cache rows in position order (window layers may then slice)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _begin(self, cache: KVCache) -> None:
+    def attach(self, index: BlockIndex) -> None:
+        """Start on ``index``'s cache, whose written blocks ``index`` already summarises (the engine does
+        this right after the prefill, so no decode step builds summaries), and let the policy prepare
+        (e.g. pool the prompt's summaries, or SnapKV's prompt attention): timed as ``prepare_s``."""
         if self.policy.needs_prefill_queries and self.prefill is None:
             raise ValueError(f"policy {self.policy.name!r} needs the prompt's queries captured at prefill")
-        self.index = BlockIndex(cache, self.block_size)
+        cache = index.cache
+        self.index = index
+        positions = cache.valid_positions()
+        self._ordered = bool((positions[1:] > positions[:-1]).all())
+        windows = self.config.layer_windows
+        self._selecting = tuple(
+            i
+            for i in range(cache.num_layers)
+            if (i >= len(windows) or windows[i] is None) and i not in self.config.dense_layers
+        )
+        groups = [tuple(g) for g in self.policy.layer_groups(self._selecting) if g]
+        if sorted(layer for g in groups for layer in g) != sorted(self._selecting):
+            raise ValueError(
+                f"policy {self.policy.name!r}: layer groups {groups} do not cover {self._selecting}"
+            )
+        self._groups = groups
+        self._group_of = {layer: i for i, g in enumerate(groups) for layer in g}
+        self._at_step_start = not self.policy.per_layer and len(groups) == 1
         most = self.config.budget.blocks(cache.capacity, self.block_size)
         slots = max(1, int(most * self.config.resident_factor))
         if not self.policy.is_dense:
             hot = self.config.sink_blocks * self.block_size + self.config.window_tokens + self.block_size
-            self.tier = FastTier(cache, self.block_size, slots, hot, self.policy.per_layer)
-
-    def _prepare(self, cache: KVCache, candidates: Tensor) -> None:
-        """Summaries of the blocks written so far (the work done when blocks are written). Deferred to
-        the first step that really selects: a short prompt may have no complete block to summarise."""
-        view = StepView(cache, self.index, candidates, 0, -1, prefill=self.prefill)
+            self.tier = FastTier(cache, self.block_size, slots, hot, [list(g) for g in groups])
+        if self.policy.is_dense:
+            return
+        sink, win_block, _ = self._geometry(cache.length + 1)  # the first step's geometry
+        view = StepView(
+            cache,
+            index,
+            torch.arange(sink, win_block),
+            0,
+            -1,
+            prefill=self.prefill,
+            selecting=self._selecting,
+        )
         start = time.perf_counter()
         self.policy.prepare(view)
         self.prepare_s = time.perf_counter() - start
-        self._prepared = True
 
-    def _geometry(self, cache: KVCache) -> tuple[int, int, int]:
-        """(sink blocks, first window block, window start row) for the cache's current length."""
+    def _geometry(self, length: int) -> tuple[int, int, int]:
+        """(sink blocks, first window block, window start row) for a cache of ``length`` rows."""
         bs = self.block_size
-        length = cache.length
         win_block = max(0, (length - self.config.window_tokens) // bs)
         sink = min(self.config.sink_blocks, win_block)
         return sink, win_block, win_block * bs
@@ -126,16 +167,32 @@ class SparseDecoder:
             self._start_step(cache)
         if self.config.record_queries:
             self._step_state["queries"].append(q_rot[:, 0].detach().clone())
+        window = self.config.layer_windows[layer] if layer < len(self.config.layer_windows) else None
+        if window is not None:
+            return self._window_rows(layer, cache, window)
+        picked = self._selected_rows(layer, q_rot, cache)
+        if self._sees_queries and layer in self._group_of:
+            self.policy.see_query(layer, q_rot)  # after this layer's selection: it is the next step's probe
+        return picked
+
+    def _selected_rows(
+        self, layer: int, q_rot: Tensor, cache: KVCache
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The fast tier's rows for ``layer`` (choosing its group's blocks first if it leads the group)."""
         state = self._step_state
-        if state["dense"] or layer in self.config.dense_layers:
+        if state["dense"] or layer not in self._group_of:
             return None
         assert self.tier is not None
         record = state["record"]
-        if self.policy.per_layer:
+        group = self._group_of[layer]
+        if self._at_step_start:
+            selected = state["selected"]
+        elif layer == self._groups[group][0]:
             selected = self._select(cache, layer, q_rot)
+            state["selected"] = selected
             record.selected.append(selected.tolist())
             start = time.perf_counter()
-            record.loaded_blocks += self.tier.ensure(layer, selected, cache, state["extra"])
+            record.loaded_blocks += self.tier.ensure(group, selected, cache, state["extra"])
             record.gather_s += time.perf_counter() - start
         else:
             selected = state["selected"]
@@ -144,7 +201,6 @@ class SparseDecoder:
         record.gather_s += time.perf_counter() - start
         if self._observes:
             start = time.perf_counter()
-            group = layer if self.policy.per_layer else 0
             region_rows = torch.cat(
                 [
                     self.tier.block_rows(self.tier.block_in[group].clamp(min=0)),
@@ -159,11 +215,31 @@ class SparseDecoder:
             record.select_s += time.perf_counter() - start
         return keys, values, k_pos
 
+    def _window_rows(self, layer: int, cache: KVCache, window: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The rows a sliding-window layer sees (position within ``window`` of the new row's): a slice of
+        the cache when rows are in position order, else None (every row, masked by the runtime)."""
+        if not self._ordered:
+            return None
+        positions = cache.valid_positions()
+        first = int(torch.searchsorted(positions, positions[-1] - window + 1))
+        rows = slice(first, cache.length)
+        return cache.k_rot[layer][:, rows], cache.v[layer][:, rows], positions[rows]
+
     def _view(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> StepView:
         state = self._step_state
         assert self.index is not None
+        group = self._groups[self._group_of[layer]] if layer is not None else self._selecting
         return StepView(
-            cache, self.index, state["candidates"], state["budget"], self._step, layer, q_rot, self.prefill
+            cache,
+            self.index,
+            state["candidates"],
+            state["budget"],
+            self._step,
+            layer,
+            q_rot,
+            self.prefill,
+            self._selecting,
+            group,
         )
 
     def _select(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> Tensor:
@@ -173,7 +249,7 @@ class SparseDecoder:
         view = self._view(cache, layer, q_rot)
         scores = self.policy.score(view)
         selected = topk_blocks(scores, state["candidates"], state["budget"])
-        if layer is None or layer == 0:
+        if layer is None or layer == self._groups[0][0]:  # once per step
             hint = self.policy.resident_hint()
             if hint is not None:
                 order = torch.argsort(hint, descending=True)
@@ -183,20 +259,24 @@ class SparseDecoder:
 
     def _start_step(self, cache: KVCache) -> None:
         if self.index is None:
-            self._begin(cache)
+            # used without an engine (no attach): summarise the blocks written so far now
+            index = BlockIndex(cache, self.block_size)
+            index.add_blocks((cache.length - 1) // self.block_size)
+            self.attach(index)
         assert self.index is not None
         if self._step >= 0 and self.config.record_queries:
             self.queries.append(torch.stack(self._step_state["queries"]))
         self._step += 1
-        sink, win_block, win_row = self._geometry(cache)
-        self.index.update(win_block)
+        # the rows before the new one are written at every layer: summarise a block they completed
+        start = time.perf_counter()
+        self.index.add_blocks((cache.length - 1) // self.block_size)
+        summarise_s = time.perf_counter() - start
+        sink, win_block, win_row = self._geometry(cache.length)
         candidates = torch.arange(sink, win_block)
         budget = self.config.budget.blocks(cache.length, self.block_size)
-        record = StepRecord(self._step, cache.length)
+        record = StepRecord(self._step, cache.length, summarise_s=summarise_s)
         self.records.append(record)
         dense = self.policy.is_dense or (self.config.dense_when_covered and budget >= candidates.numel())
-        if not dense and not self._prepared:
-            self._prepare(cache, candidates)
         self._step_state = {
             "candidates": candidates,
             "budget": budget,
@@ -217,7 +297,7 @@ class SparseDecoder:
             self.tier.set_sink(cache, sink * self.block_size)
         self.tier.set_window(cache, win_row)
         record.gather_s += time.perf_counter() - start
-        if not self.policy.per_layer:
+        if self._at_step_start:
             selected = self._select(cache, None, None)
             record.selected.append(selected.tolist())
             start = time.perf_counter()
@@ -240,7 +320,7 @@ class SparseDecoder:
         if not recs:
             return {"sparse_policy": self.policy.name, "sparse_steps": 0}
         layer_block = self.tier.layer_block_bytes if self.tier is not None else 0
-        num_layers = self.index.cache.num_layers if self.index is not None else 1
+        num_layers = len(self.tier.layers) if self.tier is not None else 1
         selected = [sum(len(s) for s in r.selected) / len(r.selected) for r in recs]
         loaded = [r.loaded_blocks / num_layers for r in recs]
         select_s = sum(r.select_s for r in recs)
@@ -257,6 +337,7 @@ class SparseDecoder:
             - self._step_state.get("win_row", 0)
             + self._step_state.get("sink_rows", 0),
             "prepare_s": self.prepare_s,
+            "decode_summarise_s": sum(r.summarise_s for r in recs),
             "select_s": select_s,
             "gather_s": sum(r.gather_s for r in recs),
         }

@@ -1,14 +1,23 @@
-"""Per-block summaries, kept up to date as blocks are written, and queries captured at prefill.
+"""Per-block summaries computed when a block is written, and queries captured at prefill.
 
-:class:`BlockIndex` computes what policies read about each *complete* block
-(every layer written), once per block, when the block is first needed:
+:class:`BlockIndex` holds what policies read about each *complete* block (its rows
+written at every layer). A block is summarised once, by :meth:`BlockIndex.add_blocks`,
+the per-block operation every writer calls once it has written a block's rows: the
+engine after a prefill (or a chunk of one), the sparse decoder when a decode step has
+completed a block. Summaries a stored prefix block carries come in through
+:meth:`BlockIndex.insert` instead of being recomputed. Per block, every layer and KV head:
 
-* ``key_means`` [L, kvh, nb, d]: mean pre-RoPE key of the block per layer and KV head
-  (Key-Key's raw material, ~B/16 of the block's keys);
-* ``key_bounds`` ([L, kvh, nb, d] min, [L, kvh, nb, d] max): per-channel min/max of the
-  rotated keys (Quest's bound);
-* ``head_variance`` [L, kvh]: variance of each KV head's pre-RoPE keys over the prompt
-  (Key-Key's head weights), frozen at the first update.
+* ``mean`` [L, kvh, d]: mean pre-RoPE key (Key-Key's raw material; pooled per request);
+* ``sq`` [L, kvh]: mean square of the pre-RoPE keys (with ``mean``: each head's key variance,
+  Key-Key's head weights);
+* ``min`` / ``max`` [L, kvh, d]: per-channel min / max of the rotated keys (Quest's bound);
+* ``rmean`` [L, kvh, d]: mean rotated key (the mean logit ``q . rmean`` of a block for a query).
+
+One level up, per chunk of :data:`CHUNK_BLOCKS` consecutive blocks (chunk ``c`` = blocks ``[4c, 4c + 4)``),
+the chunk's mean rotated key (:meth:`BlockIndex.chunk_means`), updated as its blocks arrive.
+
+Summaries are rounded through the KV dtype when computed, so a block's summaries read back
+from the store equal those of a fresh prefill bit for bit (as the cache does for KV).
 
 :class:`PrefillQueries` holds rotated queries of a few prompt tokens per layer
 (the last ``window`` tokens plus every ``stride``-th token from the end), captured
@@ -18,7 +27,7 @@ through the cache's query observer while the prompt is prefilled.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +35,33 @@ from torch import Tensor
 
 from semkv.models.cache import KVCache
 
+SUMMARY_KINDS = ("mean", "sq", "min", "max", "rmean")
+CHUNK_BLOCKS = 4  # blocks per chunk of the level above the blocks
+
+
+def summarise_rows(k_pre: Tensor, k_rot: Tensor, block_size: int, kv_dtype: torch.dtype) -> dict[str, Tensor]:
+    """Summaries of whole blocks of one layer. k_pre, k_rot: [kvh, n * block_size, d] ->
+    {kind: [kvh, n, d] (sq: [kvh, n])}, float32 values rounded through ``kv_dtype``."""
+    kvh, rows, d = k_pre.shape
+    pre = k_pre.reshape(kvh, rows // block_size, block_size, d)
+    rot = k_rot.reshape(kvh, rows // block_size, block_size, d)
+    pre32 = pre.float()
+    out = {
+        "mean": pre32.mean(dim=2),
+        "sq": pre32.square().mean(dim=(2, 3)),
+        "min": rot.amin(dim=2).float(),
+        "max": rot.amax(dim=2).float(),
+        "rmean": rot.float().mean(dim=2),
+    }
+    return {kind: t.to(kv_dtype).float() for kind, t in out.items()}
+
 
 class BlockIndex:
-    """Summaries of the complete blocks of one cache (block = ``block_size`` consecutive rows)."""
+    """Summaries of the complete blocks of one cache (block = ``block_size`` consecutive rows).
+
+    Buffers per kind: ``[L, kvh, capacity blocks, d]`` (``sq``: ``[L, kvh, capacity blocks]``),
+    grown by doubling; ``num_complete`` blocks are valid.
+    """
 
     def __init__(self, cache: KVCache, block_size: int) -> None:
         if block_size < 1:
@@ -36,64 +69,134 @@ class BlockIndex:
         self.cache = cache
         self.block_size = block_size
         self.num_complete = 0
-        self._summaries: dict[str, Tensor] = {}  # name -> [L, kvh, max blocks, d] (see _buffer)
-        self._have: dict[str, int] = {}  # summary -> blocks computed so far
+        self.computed_blocks = 0  # blocks summarised from rows (not inserted from the store)
+        self._summaries: dict[str, Tensor] = {}
+        self._chunks: Tensor | None = None  # [L, kvh, capacity chunks, d] chunk mean rotated keys
         self._variance: Tensor | None = None
 
-    def update(self, complete_blocks: int) -> None:
-        """Declare blocks [0, complete_blocks) complete (all layers written)."""
-        self.num_complete = max(self.num_complete, complete_blocks)
+    # -- writing ------------------------------------------------------------------------------------
+    def _reserve(self, blocks: int) -> None:
+        old = self._summaries.get("mean")
+        have = 0 if old is None else old.shape[2]
+        if blocks <= have:
+            return
+        c = self.cache
+        size = max(blocks, c.capacity // self.block_size + 1, 2 * have)
+        for kind in SUMMARY_KINDS:
+            shape = (c.num_layers, c.num_kv_heads, size) + (() if kind == "sq" else (c.head_dim,))
+            buffer = torch.zeros(shape)
+            if have:
+                buffer[:, :, :have] = self._summaries[kind]
+            self._summaries[kind] = buffer
 
-    def _rows(self, tensors: list[Tensor], start_block: int) -> Tensor:
-        """[L, kvh, n, bs, d] float32 view-copy of blocks [start_block, num_complete)."""
-        bs = self.block_size
-        rows = slice(start_block * bs, self.num_complete * bs)
-        stacked = torch.stack([t[:, rows] for t in tensors]).float()
-        shape = stacked.shape
-        return stacked.view(shape[0], shape[1], -1, bs, shape[-1])
+    def add_blocks(self, end_block: int | None = None) -> int:
+        """Summarise blocks [num_complete, end_block) from the cache's rows (default: every block whose
+        rows lie below ``cache.length``; the caller guarantees they are written at every layer).
+        Returns how many blocks were summarised."""
+        c = self.cache
+        end = c.length // self.block_size if end_block is None else end_block
+        if end * self.block_size > c.length:
+            raise ValueError(f"block {end - 1} is not written yet (cache holds {c.length} rows)")
+        start = self.num_complete
+        if end <= start:
+            return 0
+        self._reserve(end)
+        rows = slice(start * self.block_size, end * self.block_size)
+        for layer in range(c.num_layers):
+            parts = summarise_rows(
+                c.k_pre[layer][:, rows], c.k_rot[layer][:, rows], self.block_size, c.kv_dtype
+            )
+            for kind, value in parts.items():
+                self._summaries[kind][layer, :, start:end] = value
+        self.num_complete = end
+        self.computed_blocks += end - start
+        self._update_chunks(start, end)
+        return end - start
 
-    def _buffer(self, name: str, blocks: int) -> Tensor:
-        """[L, kvh, >= blocks, d] float32 buffer of summary ``name``. Sized for the cache's capacity and
-        grown by doubling if the cache grows (appending by concatenation would copy every block each
-        time one completes)."""
-        old = self._summaries.get(name)
-        if old is None or old.shape[2] < blocks:
+    def _update_chunks(self, start: int, end: int) -> None:
+        """Recompute the chunk means of the chunks holding blocks [start, end)."""
+        c = self.cache
+        first, last = start // CHUNK_BLOCKS, (end - 1) // CHUNK_BLOCKS + 1
+        size = self._summaries["rmean"].shape[2] // CHUNK_BLOCKS + 1
+        if self._chunks is None or self._chunks.shape[2] < size:
+            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
+            if self._chunks is not None:
+                grown[:, :, : self._chunks.shape[2]] = self._chunks
+            self._chunks = grown
+        blocks = self._summaries["rmean"][:, :, first * CHUNK_BLOCKS : end]
+        full = (end - first * CHUNK_BLOCKS) // CHUNK_BLOCKS
+        if full:
+            shape = (*blocks.shape[:2], full, CHUNK_BLOCKS, blocks.shape[-1])
+            self._chunks[:, :, first : first + full] = (
+                blocks[:, :, : full * CHUNK_BLOCKS].reshape(shape).mean(3)
+            )
+        if first + full < last:  # a chunk still filling
+            self._chunks[:, :, first + full] = blocks[:, :, full * CHUNK_BLOCKS :].mean(2)
+
+    def insert(self, summaries: Mapping[str, Tensor]) -> None:
+        """Append the next block's summaries as a stored block carries them ({kind: [L, kvh, d]}, sq
+        [L, kvh]); a ValueError if a kind is missing or misshapen (the caller then summarises the rows)."""
+        c = self.cache
+        for kind in SUMMARY_KINDS:
+            want = (c.num_layers, c.num_kv_heads) + (() if kind == "sq" else (c.head_dim,))
+            got = summaries.get(kind)
+            if got is None or tuple(got.shape) != want:
+                raise ValueError(f"stored block summary {kind!r} is missing or not of shape {want}")
+        block = self.num_complete
+        self._reserve(block + 1)
+        for kind in SUMMARY_KINDS:
+            self._summaries[kind][:, :, block] = summaries[kind].float()
+        self.num_complete = block + 1
+        self._update_chunks(block, block + 1)
+
+    def block_summaries(self, block: int) -> dict[str, Tensor]:
+        """The summaries of one complete block, in the KV dtype, as the store keeps them with the block."""
+        if not 0 <= block < self.num_complete:
+            raise ValueError(f"block {block} is not summarised (0..{self.num_complete - 1})")
+        return {k: t[:, :, block].to(self.cache.kv_dtype).contiguous() for k, t in self._summaries.items()}
+
+    def copy(self, cache: KVCache) -> BlockIndex:
+        """An independent index over ``cache`` (a copy of this one's cache, e.g. a fork's)."""
+        other = BlockIndex(cache, self.block_size)
+        other.num_complete = self.num_complete
+        other.computed_blocks = self.computed_blocks
+        other._summaries = {k: t.clone() for k, t in self._summaries.items()}
+        other._chunks = None if self._chunks is None else self._chunks.clone()
+        return other
+
+    # -- reading ------------------------------------------------------------------------------------
+    def summary(self, kind: str) -> Tensor:
+        """[L, kvh, nb, d] (``sq``: [L, kvh, nb]) of the complete blocks."""
+        if kind not in SUMMARY_KINDS:
+            raise ValueError(f"unknown summary {kind!r}; choose one of {SUMMARY_KINDS}")
+        self._reserve(1)
+        return self._summaries[kind][:, :, : self.num_complete]
+
+    def chunk_means(self) -> Tensor:
+        """[L, kvh, nc, d] mean rotated key of each chunk of :data:`CHUNK_BLOCKS` complete blocks (the
+        last chunk: of the complete blocks it has so far)."""
+        count = -(-self.num_complete // CHUNK_BLOCKS)
+        if self._chunks is None:
             c = self.cache
-            size = max(blocks, c.capacity // self.block_size + 1, 2 * old.shape[2] if old is not None else 0)
-            buffer = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
-            if old is not None:
-                buffer[:, :, : old.shape[2]] = old
-            self._summaries[name] = buffer
-        return self._summaries[name]
+            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim)
+        return self._chunks[:, :, :count]
 
     def key_means(self) -> Tensor:
         """[L, kvh, nb, d] mean pre-RoPE key per complete block."""
-        have, n = self._have.get("means", 0), self.num_complete
-        means = self._buffer("means", n)
-        if have < n:
-            means[:, :, have:n] = self._rows(self.cache.k_pre, have).mean(dim=3)
-            self._have["means"] = n
-        return means[:, :, :n]
+        return self.summary("mean")
 
     def key_bounds(self) -> tuple[Tensor, Tensor]:
         """([L, kvh, nb, d] min, [L, kvh, nb, d] max) of rotated keys per complete block."""
-        have, n = self._have.get("bounds", 0), self.num_complete
-        mins, maxs = self._buffer("mins", n), self._buffer("maxs", n)
-        if have < n:
-            rows = self._rows(self.cache.k_rot, have)
-            mins[:, :, have:n] = rows.amin(dim=3)
-            maxs[:, :, have:n] = rows.amax(dim=3)
-            self._have["bounds"] = n
-        return mins[:, :, :n], maxs[:, :, :n]
+        return self.summary("min"), self.summary("max")
 
     def head_variance(self) -> Tensor:
-        """[L, kvh] variance of each KV head's pre-RoPE keys over the complete blocks at first call."""
+        """[L, kvh] variance of each KV head's pre-RoPE keys over the blocks complete at first call
+        (from the blocks' means and mean squares: no key is read again)."""
         if self._variance is None:
-            rows = self.num_complete * self.block_size
-            if rows == 0:
+            if self.num_complete == 0:
                 raise ValueError("head_variance needs at least one complete block")
-            keys = torch.stack([k[:, :rows] for k in self.cache.k_pre]).float()  # [L, kvh, n, d]
-            self._variance = keys.var(dim=(2, 3))
+            mean = self.summary("mean").mean(dim=(2, 3))
+            self._variance = self.summary("sq").mean(dim=2) - mean.square()
         return self._variance
 
 

@@ -9,6 +9,7 @@ from semkv.sparse.dense import DensePolicy
 from semkv.sparse.h2o import H2OPolicy
 from semkv.sparse.keykey import HybridPolicy, KeyKeyPolicy
 from semkv.sparse.oracle import OraclePolicy
+from semkv.sparse.probe import ProbePolicy
 from semkv.sparse.quest import QuestPolicy
 from semkv.sparse.snapkv import SnapKVPolicy
 from semkv.sparse.streaming import StreamingPolicy
@@ -19,6 +20,7 @@ POLICIES: dict[str, type[SparsePolicy]] = {
         DensePolicy,
         KeyKeyPolicy,
         HybridPolicy,
+        ProbePolicy,
         OraclePolicy,
         QuestPolicy,
         StreamingPolicy,
@@ -35,8 +37,11 @@ def make_policy(name: str, **options: Any) -> SparsePolicy:
     return POLICIES[name](**options)
 
 
+AUTO = "auto"  # the engine picks the policy (and budget) its calibrated profile measured best
+
+
 def validate_sparse(policy: str | None, kv_budget: float | int) -> None:
-    """Raise ValueError for an unknown policy name or a bad budget."""
-    if policy is not None and policy not in POLICIES:
-        raise ValueError(f"unknown sparse policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    """Raise ValueError for an unknown policy name (``"auto"`` is valid) or a bad budget."""
+    if policy is not None and policy != AUTO and policy not in POLICIES:
+        raise ValueError(f"unknown sparse policy {policy!r}; choose {AUTO!r} or one of {', '.join(POLICIES)}")
     Budget(kv_budget)

@@ -14,8 +14,9 @@ rows) get a position far in the future, so the causal mask built from positions
 hides them. The hot rows are the sink block(s), copied once, and the local window,
 refreshed every layer (it holds the new token).
 
-Slot maps come in ``groups``: one group shared by every layer (policies that choose
-once per step) or one per layer (per-layer policies).
+Slot maps come in ``groups`` of layers that share one selection: one group of every reading
+layer (policies that choose once per step), one per layer (per-layer policies), or anything
+between (a policy's layer groups).
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ HIDDEN = 2**62  # position of rows attention must not see (later than any query)
 class FastTier:
     """k, v [L, kvh, slots * block_size + hot_rows, d]; positions [groups, same rows]."""
 
-    def __init__(self, cache: KVCache, block_size: int, slots: int, hot_rows: int, per_layer: bool) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        block_size: int,
+        slots: int,
+        hot_rows: int,
+        groups: list[list[int]] | None = None,
+    ) -> None:
+        """``groups``: the layers that read the tier, in groups sharing a slot map (default: one group of
+        every layer); blocks are copied for these layers only."""
         if slots < 1:
             raise ValueError(f"the fast tier needs at least one slot, got {slots}")
         self.block_size = block_size
@@ -39,7 +49,12 @@ class FastTier:
         self.slot_rows = slots * block_size
         self.hot_rows = hot_rows
         self.num_layers = cache.num_layers
-        self.groups = cache.num_layers if per_layer else 1
+        self.layer_groups = (
+            [list(g) for g in groups] if groups is not None else [list(range(cache.num_layers))]
+        )
+        self.layers = [layer for g in self.layer_groups for layer in g]
+        self.group_of = {layer: i for i, g in enumerate(self.layer_groups) for layer in g}
+        self.groups = len(self.layer_groups)
         shape = (cache.num_layers, cache.num_kv_heads, self.slot_rows + hot_rows, cache.head_dim)
         self.k = torch.zeros(shape, dtype=cache.compute_dtype)
         self.v = torch.zeros(shape, dtype=cache.compute_dtype)
@@ -53,8 +68,8 @@ class FastTier:
         self.sink_rows = 0
         self.used_hot = 0
 
-    def _layers(self, group: int) -> range:
-        return range(self.num_layers) if self.groups == 1 else range(group, group + 1)
+    def _layers(self, group: int) -> list[int]:
+        return self.layer_groups[group]
 
     def _grow(self, blocks: int) -> None:
         if blocks <= self.slot_of.shape[1]:
@@ -111,7 +126,7 @@ class FastTier:
             raise ValueError(f"sink of {rows} rows exceeds the hot region ({self.hot_rows})")
         self.sink_rows = rows
         at = slice(self.slot_rows, self.slot_rows + rows)
-        for layer in range(self.num_layers):
+        for layer in self.layers:
             self.k[layer][:, at] = cache.k_rot[layer][:, :rows]
             self.v[layer][:, at] = cache.v[layer][:, :rows]
         self.positions[:, at] = cache.positions[:rows]
@@ -135,7 +150,7 @@ class FastTier:
         self.k[layer][:, begin : begin + count] = cache.k_rot[layer][:, rows]
         self.v[layer][:, begin : begin + count] = cache.v[layer][:, rows]
         end = self.slot_rows + self.used_hot
-        group = 0 if self.groups == 1 else layer
+        group = self.group_of[layer]
         return self.k[layer][:, :end], self.v[layer][:, :end], self.positions[group, :end]
 
     def visible_blocks(self, group: int) -> Tensor:
@@ -146,4 +161,4 @@ class FastTier:
     def resident_layer_blocks(self) -> int:
         """Resident (layer, block) pairs."""
         per_group = (self.block_in >= 0).sum(dim=1)
-        return int(per_group.sum()) * (self.num_layers if self.groups == 1 else 1)
+        return sum(int(n) * len(g) for n, g in zip(per_group, self.layer_groups, strict=True))

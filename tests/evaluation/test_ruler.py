@@ -26,6 +26,7 @@ from semkv.evaluation.ruler import (
     make_case,
     make_cases,
     prompt_ids,
+    request_options,
     score,
     string_match_all,
     string_match_part,
@@ -266,3 +267,24 @@ def test_drawn_values_skip_taken_ones_and_those_in_the_haystack():
         re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", u)
         for u in draw_unique("uuids", 20, random.Random(2), set())
     )
+
+
+@pytest.mark.parametrize("chat", [None, False])
+def test_request_options_lay_out_the_cases_ids(tokenizer, chat):
+    """A case sent through semkv's request layout (GenerateRequest fields) is token for token the ids its
+    length was fitted on: chat messages + answer prefix, or RULER's plain text."""
+    from semkv.prompt import build_layout
+    from semkv.request import GenerateRequest
+
+    for task in ("niah_single_2", "vt", "qa_1"):
+        case = make_case(tokenizer, task, 1024, seed=5, rendering=Rendering(chat=chat))
+        request = GenerateRequest(**request_options(tokenizer, case))
+        layout = build_layout(
+            tokenizer,
+            request.prompt,
+            request.messages,
+            (),
+            request.use_chat_template,
+            request.assistant_prefix,
+        )
+        assert layout.token_ids == prompt_ids(tokenizer, case), task

@@ -41,9 +41,10 @@ def test_budget_blocks(budget, blocks):
     assert Budget(budget).blocks(1024, 16) == blocks
 
 
-def test_defaults_are_dense():
+def test_default_is_auto():
+    """sparse="auto" by default: dense without a calibrated profile (tests/sparse/test_auto.py)."""
     request = GenerateRequest(prompt="hi")
-    assert request.sparse is None and request.kv_budget is None  # None = calibrated budget, else 0.1
+    assert request.sparse == "auto" and request.kv_budget is None  # None = calibrated budget, else 0.1
 
 
 @pytest.mark.parametrize(

@@ -73,11 +73,11 @@ def test_block_summaries_follow_a_cache_that_grows(tokenizer):
     cache = runtime.new_cache(24)
     runtime.prefill(cache, ids[:24])
     index = BlockIndex(cache, BLOCK)
-    index.update(24 // BLOCK)
+    index.add_blocks()
     index.key_means(), index.key_bounds()
     runtime.prefill(cache, ids[24:])
     assert cache.capacity >= 200
-    index.update(200 // BLOCK)
+    index.add_blocks()
     keys = torch.stack([k[:, :200] for k in cache.k_pre]).float()  # [L, kvh, 200, d]
     blocks = keys.view(*keys.shape[:2], 200 // BLOCK, BLOCK, keys.shape[-1])
     torch.testing.assert_close(index.key_means(), blocks.mean(dim=3))

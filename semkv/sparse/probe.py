@@ -1,0 +1,219 @@
+"""Query probe: blocks ranked by the model's own queries, not by an anchor of recent keys.
+
+Key-Key's anchor (the mean key of the last tokens) says what the *text* at the end is about; the
+model's queries say what it is *looking for*. Under the chat template the last tokens are template
+tokens ("<|im_end|> <|im_start|>assistant ..."), whose keys resemble other template and instruction
+tokens, not the needle, so Key-Key keeps the wrong blocks (``semkv bench sparse --suite ruler``).
+
+Two probes share the budget:
+
+* the **question** (``prompt_share`` of the budget, chosen once): the queries of the prompt's last
+  ``window`` tokens (captured at prefill: the question and the answer's lead-in), their exact attention
+  over the prompt's blocks at every selecting layer, computed once when the decoder attaches. This is
+  what the question asks for — e.g. all four keys of a multi-query question — and it does not drift.
+* the **step** (the rest, every step): the rotated queries of every selecting layer at the latest step
+  whose queries are complete — the previous decode step (the prompt's last token at the first step) —
+  against each block's mean rotated key, a write-time summary (``q . k_mean`` is exactly the mean logit
+  of the block's keys). One batched matrix product per step, before layer 0 attends, so selection stays
+  one choice per step.
+
+Per block, layer and query head the estimate is a softmax over blocks; ``head_agg="max"`` scores a block
+by its best head in each layer (a retrieval head that alone looks at a needle counts fully), ``"mass"``
+by the heads' mean; layers (and question tokens) are averaged. ``per_layer=True`` instead scores each
+layer with its own current query (exact, but one selection and one fast-tier map per layer).
+
+Residency: blocks selected in the last ``keep_steps`` steps stay resident when unselected (the step
+probe lags a step, so a block it just dropped is likely wanted again).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from semkv.sparse.base import SparsePolicy, StepView
+from semkv.sparse.index import CHUNK_BLOCKS
+
+HEAD_AGGREGATES = ("max", "mass")
+
+
+def aggregate_heads(probs: Tensor, head_agg: str) -> Tensor:
+    """[..., heads, C] per-head block distributions -> [..., C]."""
+    return probs.amax(dim=-2) if head_agg == "max" else probs.mean(dim=-2)
+
+
+def layer_rows(summary: Tensor, layers: tuple[int, ...]) -> Tensor:
+    """``summary[layers]`` as a view when the layers are evenly spaced (all layers; Gemma's global
+    layers), else a copy."""
+    if len(layers) > 1 and len({b - a for a, b in zip(layers, layers[1:], strict=False)}) == 1:
+        return summary[layers[0] : layers[-1] + 1 : layers[1] - layers[0]]
+    return summary[list(layers)]
+
+
+def mean_key_scores(q: Tensor, means: Tensor, head_agg: str) -> Tensor:
+    """q: [L', nh, d] queries; means: [L', kvh, C, d] block mean rotated keys -> [L', C] per-layer scores
+    (softmax over blocks of the mean logits, per head, heads aggregated)."""
+    num_layers, kvh, d = means.shape[0], means.shape[1], means.shape[-1]
+    logits = q.reshape(num_layers, kvh, -1, d) @ means.transpose(-1, -2)  # [L', kvh, g, C]
+    probs = torch.softmax(logits.flatten(1, 2) / math.sqrt(d), dim=-1)  # [L', nh, C]
+    return aggregate_heads(probs, head_agg)
+
+
+def window_block_scores(q: Tensor, keys: Tensor, block_size: int, num_blocks: int, head_agg: str) -> Tensor:
+    """Exact attention of window queries over the prompt, per block: q [nh, n, d] (rotated, the prompt's
+    last n tokens), keys [kvh, T, d] (rows in position order, T >= num_blocks * block_size; the queries
+    are the last n of them) -> [num_blocks], heads aggregated, mean over the queries."""
+    kvh, total, d = keys.shape
+    nh, n, _ = q.shape
+    logits = q.reshape(kvh, -1, n, d) @ keys.transpose(1, 2).unsqueeze(1) / math.sqrt(d)  # [kvh, g, n, T]
+    rows = torch.arange(total)
+    visible = rows.unsqueeze(0) <= (total - n + torch.arange(n)).unsqueeze(1)  # causal: [n, T]
+    probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1).reshape(nh, n, total)
+    mass = probs[..., : num_blocks * block_size].reshape(nh, n, num_blocks, block_size).sum(-1)
+    return aggregate_heads(mass.transpose(0, 1), head_agg).mean(dim=0)  # [nh, n, B] -> [n, B] -> [B]
+
+
+@dataclass
+class ProbePolicy(SparsePolicy):
+    """The question's and the latest queries against the blocks (see the module docstring).
+
+    head_agg: "max" or "mass" over a layer's query heads.
+    prompt_share: share of the budget chosen by the question probe (0: the step probe only).
+    window: question tokens (the prompt's last ones) whose queries form the question probe.
+    groups: contiguous groups of selecting layers, each with its own selection (1: one per step, before
+        layer 0, from the previous step's queries; more: each group chooses at its first layer, with that
+        layer's current query and the previous step's queries of its other layers).
+    chunk_keep: 0 scores every candidate block; k > 0 first scores chunks of CHUNK_BLOCKS blocks (their
+        write-time mean keys) and then only the blocks of the best ``k x budget / CHUNK_BLOCKS`` chunks.
+    successors: a block's score is at least this share of its predecessor's (0: off): text is read
+        forward, so the block after one that is attended is likely next (a number split by a boundary).
+    keep_steps: steps a selected block stays resident after it was last selected.
+    """
+
+    name = "probe"
+    needs_prefill_queries = True  # the question probe and the first step's probe
+    head_agg: str = "max"
+    prompt_share: float = 0.5
+    window: int = 16
+    groups: int = 1
+    chunk_keep: float = 0.0
+    successors: float = 0.0
+    keep_steps: int = 4
+    _queries: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    _question: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> [prompt blocks]
+    _last_selected: list[Tensor] = field(default_factory=list, repr=False)
+    _num_blocks: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_agg not in HEAD_AGGREGATES:
+            raise ValueError(f"head_agg must be one of {HEAD_AGGREGATES}, got {self.head_agg!r}")
+        if not 0.0 <= self.prompt_share <= 1.0:
+            raise ValueError(f"prompt_share must be in [0, 1], got {self.prompt_share}")
+        if self.window < 1 or self.groups < 1:
+            raise ValueError(f"window and groups must be >= 1, got {self.window} and {self.groups}")
+        if self.keep_steps < 0 or self.chunk_keep < 0 or not 0.0 <= self.successors <= 1.0:
+            raise ValueError("keep_steps and chunk_keep must be >= 0, successors in [0, 1]")
+
+    def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        count = max(1, min(self.groups, len(selecting)))
+        bounds = [round(i * len(selecting) / count) for i in range(count + 1)]
+        return tuple(selecting[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def prepare(self, view: StepView) -> None:
+        """The first step's probe (the prompt's last token's queries) and the question's block scores."""
+        if view.prefill is None or not view.prefill.q:
+            raise ValueError("probe needs the prompt's queries captured at prefill")
+        self._queries = {layer: view.prefill.q[layer][:, -1] for layer in view.selecting}
+        self._last_selected = []
+        self._question = self._question_scores(view) if self.prompt_share > 0 else {}
+
+    def _question_scores(self, view: StepView) -> dict[int, Tensor]:
+        """Per selecting layer, [prompt blocks] the question queries' block attention."""
+        prefill = view.prefill
+        assert prefill is not None
+        num_blocks = view.index.num_complete
+        rows = prefill.last_position() + 1
+        scores = {}
+        for layer in view.selecting:
+            tail = prefill.positions[layer][-self.window :]
+            if int(tail[0]) != rows - tail.numel() or int(tail[-1]) != rows - 1:
+                continue  # this layer's captured rows are not the prompt's last ones (selective recompute)
+            q = prefill.q[layer][:, -tail.numel() :]
+            keys = view.cache.keys(layer)[:, :rows]
+            scores[layer] = window_block_scores(q, keys, view.index.block_size, num_blocks, self.head_agg)
+        return scores
+
+    def see_query(self, layer: int, q_rot: Tensor) -> None:
+        self._queries[layer] = q_rot[:, 0]
+
+    def score(self, view: StepView) -> Tensor:
+        layers = view.group or view.selecting or tuple(sorted(self._queries))
+        queries = dict(self._queries)
+        if view.layer is not None and view.q_rot is not None:
+            queries[view.layer] = view.q_rot[:, 0]  # the group's first layer: this step's own query
+        q = torch.stack([queries[layer] for layer in layers])  # [L', nh, d]
+        step = self._spread(self._step_scores(view, layers, q))
+        scores = self._with_question(view, layers, step)
+        self._remember(view, scores)
+        return scores
+
+    def _step_scores(self, view: StepView, layers: tuple[int, ...], q: Tensor) -> Tensor:
+        """[C] the step probe's scores of the candidates (every block, or chunks first)."""
+        span = view.candidate_span()
+        pages = layer_rows(view.index.summary("rmean"), layers)  # [L', kvh, nb, d], a view when possible
+        if not self.chunk_keep:
+            return mean_key_scores(q, pages[:, :, span], self.head_agg).mean(dim=0)
+        first, last = span.start // CHUNK_BLOCKS, (span.stop - 1) // CHUNK_BLOCKS + 1
+        chunks = layer_rows(view.index.chunk_means(), layers)[:, :, first:last]
+        chunk_scores = mean_key_scores(q, chunks, self.head_agg).mean(dim=0)
+        keep = min(chunk_scores.numel(), math.ceil(self.chunk_keep * view.budget / CHUNK_BLOCKS))
+        kept = torch.topk(chunk_scores, keep).indices + first
+        blocks = (kept.unsqueeze(1) * CHUNK_BLOCKS + torch.arange(CHUNK_BLOCKS)).reshape(-1)
+        blocks = blocks[(blocks >= span.start) & (blocks < span.stop)]
+        out = torch.full((span.stop - span.start,), -1.0)  # below any probed block, still selectable
+        out[blocks - span.start] = mean_key_scores(q, pages[:, :, blocks], self.head_agg).mean(dim=0)
+        return out
+
+    def _spread(self, scores: Tensor) -> Tensor:
+        """[C] scores of consecutive candidates, each lifted to ``successors`` x its predecessor's."""
+        if not self.successors or scores.numel() < 2:
+            return scores
+        out = scores.clone()
+        out[1:] = torch.maximum(scores[1:], self.successors * scores[:-1])
+        return out
+
+    def _with_question(self, view: StepView, layers: tuple[int, ...], step: Tensor) -> Tensor:
+        """The question's top ``prompt_share`` of the budget first (scores lifted above every step
+        score), then the step probe's order for the rest."""
+        per_layer = [self._question[layer] for layer in layers if layer in self._question]
+        reserved = int(round(self.prompt_share * view.budget))
+        if not per_layer or reserved <= 0:
+            return step
+        prompt = torch.stack(per_layer).mean(dim=0)
+        known = view.candidates < prompt.numel()
+        question = torch.zeros_like(step)
+        question[known] = prompt[view.candidates[known]]
+        question = self._spread(question)
+        top = torch.topk(question, min(reserved, question.numel())).indices
+        lifted = step.clone()
+        lifted[top] = 2.0 + question[top]  # step scores are <= 1
+        return lifted
+
+    def _remember(self, view: StepView, scores: Tensor) -> None:
+        """Keep this step's choice (the decoder's top-k of the same scores) for residency."""
+        self._num_blocks = view.index.num_complete
+        if self.keep_steps:
+            top = view.candidates[torch.topk(scores, min(view.budget, scores.numel())).indices]
+            limit = self.keep_steps * max(1, self.groups)
+            self._last_selected = ([top] + self._last_selected)[:limit]
+
+    def resident_hint(self) -> Tensor | None:
+        if not self._last_selected or self._num_blocks == 0:
+            return None
+        hint = torch.full((self._num_blocks,), -1.0)
+        for age, selected in enumerate(reversed(self._last_selected)):
+            hint[selected[selected < self._num_blocks]] = float(age + 1)
+        return hint
