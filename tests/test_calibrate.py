@@ -18,6 +18,7 @@ from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.profile import check_request, load_profile, profile_path, write_profile
 from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
 
 
 def _pts(*pairs):
@@ -89,6 +90,20 @@ def test_engine_uses_the_profile_and_warns_below_it(make_tiny_engine, caplog):
     assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.5)) == []
 
 
+def test_the_profile_selector_comes_with_its_ratio(make_tiny_engine):
+    """A profile's ratio was measured with its selector: the engine's default blend uses both; a profile
+    from before selectors keeps the built-in default selector."""
+    engine = make_tiny_engine("llama", disk=False)
+    profile = _profile(engine)
+    profile["defaults"]["blend_selector"] = {"name": "chunk-start", "k": 8, "temperature": 1.0, "scale": 1.0}
+    write_profile(engine.config.home_path, profile)
+    engine = _reopen(engine)
+    assert engine.defaults.blend.selector.describe() == profile["defaults"]["blend_selector"]
+    assert engine.defaults.blend.recompute_ratio == 0.3
+    write_profile(engine.config.home_path, _profile(engine))
+    assert _reopen(engine).defaults.blend.selector == BlendConfig().selector
+
+
 def test_profile_of_another_fingerprint_or_damaged_is_ignored(make_tiny_engine, caplog):
     engine = make_tiny_engine("llama", disk=False)
     home = engine.config.home_path
@@ -133,6 +148,7 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
         assert dense["n"] == 3 and dense["kl_mean"] < 1e-6 and dense["top1_agreement"] == 1.0
     assert profile["fingerprint"] == engine.fingerprint
     assert set(profile["defaults"]["kv_budget"]) == {"keykey", "streaming"}
+    assert profile["defaults"]["blend_selector"] == BlendConfig().selector.describe()
     assert "sparse keykey" in format_profile(profile)
     path = write_profile(engine.config.home_path, profile)
     assert json.loads(path.read_text())["defaults"] == profile["defaults"]

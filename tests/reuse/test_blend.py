@@ -152,8 +152,8 @@ def test_bad_input(make_tiny_engine, tokenizer):
             BlendConfig(recompute_ratio=bad)
     with pytest.raises(ValueError, match="check_layer must be an int >= 1"):
         BlendConfig(check_layer=0)
-    with pytest.raises(ValueError, match="deviation_on must be 'k', 'v' or 'kv'"):
-        GenerateRequest(prompt="x", blend={"deviation_on": "q"})
+    with pytest.raises(ValueError, match="on must be one of"):
+        GenerateRequest(prompt="x", blend={"selector": {"name": "deviation", "on": "q"}})
     with pytest.raises(ValueError, match="sink must be one of"):
         BlendConfig(sink="eos")
     with pytest.raises(ValueError, match="not one string"):
