@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 PROFILE_DIR = "profiles"
+# the selector of profiles written before profiles recorded one (the blend default until issue 16)
+LEGACY_BLEND_SELECTOR = "deviation"
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,9 @@ def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
         return EngineDefaults()
     blend = BlendConfig()
     if profile.blend_recompute_ratio is not None:
-        # the ratio was measured with the profile's selector (profiles before selectors: the default's)
-        selector = profile.blend_selector if profile.blend_selector is not None else blend.selector
+        # the ratio was measured with the profile's selector; profiles from before selectors measured
+        # it with CacheBlend's deviation ranking (the default then)
+        selector = profile.blend_selector if profile.blend_selector is not None else LEGACY_BLEND_SELECTOR
         blend = BlendConfig(recompute_ratio=profile.blend_recompute_ratio, selector=selector)
     share = share_config_at(profile.share_ratio) if profile.share_ratio is not None else ShareConfig()
     auto = profile.sparse_auto or AutoSparse(

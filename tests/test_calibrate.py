@@ -90,18 +90,34 @@ def test_engine_uses_the_profile_and_warns_below_it(make_tiny_engine, caplog):
     assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.5)) == []
 
 
-def test_the_profile_selector_comes_with_its_ratio(make_tiny_engine):
-    """A profile's ratio was measured with its selector: the engine's default blend uses both; a profile
-    from before selectors keeps the built-in default selector."""
+def _default_blend(engine) -> dict:
+    """The blend a request that names no selector and no ratio gets: its stats' selector and ratio."""
+    chunks = ["A short text about the sea and the boats in the harbour.", "Another text about mountains."]
+    engine.add_chunks(chunks)
+    g = engine.generate(prompt="Where are the boats?", chunks=chunks, reuse="blend", max_new_tokens=1)
+    assert g.stats["path"] == "blend"
+    return {k: g.stats[k] for k in ("selector", "recompute_ratio", "check_layer")}
+
+
+def test_the_engine_blends_with_the_profile_selector_or_the_default(make_tiny_engine):
+    """The selector a blend request without one runs with: the built-in default (query, at layer 0)
+    without a profile; a profile's ratio with the selector it was measured with; a profile from before
+    selectors with deviation (its ratio was measured with it), at deviation's check layer 1."""
     engine = make_tiny_engine("llama", disk=False)
+    assert _default_blend(engine) == {
+        "selector": BlendConfig().selector.describe(),
+        "recompute_ratio": BlendConfig().recompute_ratio,
+        "check_layer": 0,
+    }
+    assert BlendConfig().selector.name == "query"
     profile = _profile(engine)
     profile["defaults"]["blend_selector"] = {"name": "chunk-start", "k": 8, "temperature": 1.0, "scale": 1.0}
     write_profile(engine.config.home_path, profile)
-    engine = _reopen(engine)
-    assert engine.defaults.blend.selector.describe() == profile["defaults"]["blend_selector"]
-    assert engine.defaults.blend.recompute_ratio == 0.3
+    used = _default_blend(_reopen(engine))
+    assert used["selector"] == profile["defaults"]["blend_selector"] and used["recompute_ratio"] == 0.3
     write_profile(engine.config.home_path, _profile(engine))
-    assert _reopen(engine).defaults.blend.selector == BlendConfig().selector
+    used = _default_blend(_reopen(engine))
+    assert (used["selector"]["name"], used["recompute_ratio"], used["check_layer"]) == ("deviation", 0.3, 1)
 
 
 def test_profile_of_another_fingerprint_or_damaged_is_ignored(make_tiny_engine, caplog):

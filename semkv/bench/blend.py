@@ -180,7 +180,8 @@ def _split_options(text: str) -> list[str]:
 
 
 def blend_row(spec: str, ratio: float, base: BlendConfig) -> RowSpec:
-    config = BlendConfig(ratio, parse_selector(spec), base.check_layer, base.gradual, base.sink)
+    """A blend row: the selector's own check layer, ``base``'s gradual filtering and chunk sink."""
+    config = BlendConfig(ratio, parse_selector(spec), gradual=base.gradual, sink=base.sink)
     return RowSpec(f"{spec} {ratio:.2f}", "blend", config)
 
 
@@ -204,22 +205,25 @@ def main_rows(args: argparse.Namespace, base: BlendConfig) -> list[RowSpec]:
 
 
 def ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[RowSpec]:
-    """The deviation ablation around ``default``: K / V / K+V, check layers, gradual, sinks."""
-    rows = [RowSpec("full prefill", "none"), RowSpec(f"deviation {ratio:.2f}", "blend", BlendConfig(ratio))]
-    for on in ("v", "kv"):
-        config = BlendConfig(ratio, {"name": "deviation", "on": on})
-        rows.append(RowSpec(f"deviation:on={on} {ratio:.2f}", "blend", config))
+    """CacheBlend's deviation ablation: K / V / K+V, check layers, gradual filtering, and the chunks'
+    attention sink (full reuse and deviation under each sink other than ``default``'s)."""
+
+    def deviation(label: str, **options: Any) -> RowSpec:
+        selector = {"name": "deviation", "on": options.pop("on", "k")}
+        return RowSpec(
+            label, "blend", BlendConfig(ratio, selector, **options), options.get("sink", default.sink)
+        )
+
+    rows = [RowSpec("full prefill", "none"), deviation(f"deviation {ratio:.2f}")]
+    rows += [deviation(f"deviation:on={on} {ratio:.2f}", on=on) for on in ("v", "kv")]
     for layer in (2, 4, num_layers // 4):
-        if layer != default.check_layer and layer < num_layers:
-            config = BlendConfig(ratio, check_layer=layer)
-            rows.append(RowSpec(f"deviation {ratio:.2f} check={layer}", "blend", config))
-    rows.append(RowSpec(f"deviation {ratio:.2f} gradual", "blend", BlendConfig(ratio, gradual=True)))
+        if 1 < layer < num_layers:
+            rows.append(deviation(f"deviation {ratio:.2f} check={layer}", check_layer=layer))
+    rows.append(deviation(f"deviation {ratio:.2f} gradual", gradual=True))
     for sink in SINK_MODES:
         if sink != default.sink:
             rows.append(RowSpec(f"full reuse sink={sink}", "blend", BlendConfig(0.0, sink=sink), sink))
-            rows.append(
-                RowSpec(f"deviation {ratio:.2f} sink={sink}", "blend", BlendConfig(ratio, sink=sink), sink)
-            )
+            rows.append(deviation(f"deviation {ratio:.2f} sink={sink}", sink=sink))
     return rows
 
 

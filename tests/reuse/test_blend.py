@@ -96,7 +96,7 @@ def test_deviation_does_not_grow_with_ratio(family, make_tiny_engine, tokenizer)
     means = []
     for ratio in (0.0, 0.2, 0.5, 1.0):
         kls = [
-            logit_kl(f, _first_logits(engine, o, reuse="blend", recompute_ratio=ratio)[0])
+            logit_kl(f, _first_logits(engine, o, reuse="blend", blend=BlendConfig(ratio, "deviation"))[0])
             for o, f in zip(orders, fulls, strict=True)
         ]
         means.append(sum(kls) / len(kls))

@@ -38,13 +38,15 @@ class QuerySelector(RowSelector):
     """layers: the probe layers whose question attention is summed; None = every layer from 1 up to
     ``depth`` x the model's layers. Indices past the last layer and sliding-window layers are left out
     (if that leaves none: the first global layer).
-    depth: used when ``layers`` is None, in (0, 1]."""
+    depth: used when ``layers`` is None, in (0, 1]. Measured (HotpotQA dev, 16 questions, ~4K tokens,
+    ratio 0.15, first-token KL to full prefill): depth 1.0 / 0.5: 0.026 / 0.036 (SmolLM2), 0.042 /
+    0.076 (Gemma 3, whose global layers are 5, 11 and 17: 0.5 probes layer 5 alone)."""
 
     name: ClassVar[str] = "query"
     needs_probe: ClassVar[bool] = True
 
     layers: tuple[int, ...] | None = None
-    depth: float = 0.5
+    depth: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
