@@ -356,10 +356,10 @@ def test_bad_selector(spec, field, make_tiny_engine, tokenizer):
 def test_probe_layers_skip_windowed_layers():
     """query probes the global layers of the first ``depth`` of the model, or the first global layer."""
     gemma_like = [512 if (i + 1) % 6 else None for i in range(18)]  # global layers 5, 11, 17
-    assert make_selector("query").probe_layers(gemma_like) == (5,)
-    assert make_selector({"name": "query", "depth": 1.0}).probe_layers(gemma_like) == (5, 11, 17)
+    assert make_selector("query").probe_layers(gemma_like) == (5, 11, 17)  # default depth 1.0
+    assert make_selector({"name": "query", "depth": 0.5}).probe_layers(gemma_like) == (5,)
     assert make_selector({"name": "query", "depth": 0.1}).probe_layers(gemma_like) == (5,)
     assert make_selector({"name": "query", "layers": [2, 11, 40]}).probe_layers(gemma_like) == (11,)
     dense = [None] * 30
-    assert make_selector("query").probe_layers(dense) == tuple(range(1, 16))
-    assert make_selector({"name": "query", "depth": 1.0}).probe_layers(dense) == tuple(range(1, 30))
+    assert make_selector({"name": "query", "depth": 0.5}).probe_layers(dense) == tuple(range(1, 16))
+    assert make_selector("query").probe_layers(dense) == tuple(range(1, 30))
