@@ -401,6 +401,7 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
         defaults["blend_recompute_ratio"], met["blend"] = smallest_passing(
             measurements["blend"], config.target
         )
+        defaults["blend_selector"] = engine.defaults.blend.selector.describe()
     if "share" in config.techniques:
         measurements["share"] = measure_share(engine, config, bar.update)
         defaults["share_ratio"], met["share"] = smallest_passing(measurements["share"], config.target)
@@ -460,7 +461,8 @@ def format_profile(profile: dict[str, Any]) -> str:
 
     m = profile["measurements"]
     if "blend" in m:
-        rows("blend", "recompute_ratio", m["blend"], defaults.get("blend_recompute_ratio"))
+        selector = (defaults.get("blend_selector") or {}).get("name", "deviation")
+        rows(f"blend ({selector})", "recompute_ratio", m["blend"], defaults.get("blend_recompute_ratio"))
     if "share" in m:
         rows("share", "first_ratio", m["share"], defaults.get("share_ratio"))
     for policy, pts in m.get("sparse", {}).items():

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 PROFILE_DIR = "profiles"
+# the selector of profiles written before profiles recorded one (the blend default until issue 16)
+LEGACY_BLEND_SELECTOR = "deviation"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Profile:
 
     fingerprint: the model fingerprint it was measured on; target: the agreement it was chosen at.
     blend_recompute_ratio / share_ratio: the chosen ratios (None: not measured).
+    blend_selector: the blend row selector the ratio was measured with (its ``describe()``), or None.
     kv_budget: sparse policy -> chosen budget. sparse_auto: what ``sparse="auto"`` resolves to (the best
     measured policy), or None when the profile did not measure it. path: the file it came from.
     data: the whole JSON document (measurements included).
@@ -84,6 +87,7 @@ class Profile:
     fingerprint: str
     target: float
     blend_recompute_ratio: float | None = None
+    blend_selector: dict[str, Any] | None = None
     share_ratio: float | None = None
     kv_budget: dict[str, float] = field(default_factory=dict)
     sparse_auto: AutoSparse | None = None
@@ -94,11 +98,13 @@ class Profile:
     def from_json(cls, data: dict[str, Any], path: str = "") -> Profile:
         defaults = data.get("defaults", {})
         ratio = defaults.get("blend_recompute_ratio")
+        selector = defaults.get("blend_selector")
         share = defaults.get("share_ratio")
         return cls(
             fingerprint=str(data["fingerprint"]),
             target=float(data.get("target", 0.0)),
             blend_recompute_ratio=None if ratio is None else float(ratio),
+            blend_selector=dict(selector) if isinstance(selector, dict) else None,
             share_ratio=None if share is None else float(share),
             kv_budget={
                 str(k): float(v) for k, v in (defaults.get("kv_budget") or {}).items() if v is not None
@@ -173,7 +179,10 @@ def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
         return EngineDefaults()
     blend = BlendConfig()
     if profile.blend_recompute_ratio is not None:
-        blend = BlendConfig(recompute_ratio=profile.blend_recompute_ratio)
+        # the ratio was measured with the profile's selector; profiles from before selectors measured
+        # it with CacheBlend's deviation ranking (the default then)
+        selector = profile.blend_selector if profile.blend_selector is not None else LEGACY_BLEND_SELECTOR
+        blend = BlendConfig(recompute_ratio=profile.blend_recompute_ratio, selector=selector)
     share = share_config_at(profile.share_ratio) if profile.share_ratio is not None else ShareConfig()
     auto = profile.sparse_auto or AutoSparse(
         None,

@@ -18,6 +18,7 @@ from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.profile import check_request, load_profile, profile_path, write_profile
 from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
 
 
 def _pts(*pairs):
@@ -89,6 +90,36 @@ def test_engine_uses_the_profile_and_warns_below_it(make_tiny_engine, caplog):
     assert check_request(settings, GenerateRequest(prompt="x", sparse="keykey", kv_budget=0.5)) == []
 
 
+def _default_blend(engine) -> dict:
+    """The blend a request that names no selector and no ratio gets: its stats' selector and ratio."""
+    chunks = ["A short text about the sea and the boats in the harbour.", "Another text about mountains."]
+    engine.add_chunks(chunks)
+    g = engine.generate(prompt="Where are the boats?", chunks=chunks, reuse="blend", max_new_tokens=1)
+    assert g.stats["path"] == "blend"
+    return {k: g.stats[k] for k in ("selector", "recompute_ratio", "check_layer")}
+
+
+def test_the_engine_blends_with_the_profile_selector_or_the_default(make_tiny_engine):
+    """The selector a blend request without one runs with: the built-in default (query, at layer 0)
+    without a profile; a profile's ratio with the selector it was measured with; a profile from before
+    selectors with deviation (its ratio was measured with it), at deviation's check layer 1."""
+    engine = make_tiny_engine("llama", disk=False)
+    assert _default_blend(engine) == {
+        "selector": BlendConfig().selector.describe(),
+        "recompute_ratio": BlendConfig().recompute_ratio,
+        "check_layer": 0,
+    }
+    assert BlendConfig().selector.name == "query"
+    profile = _profile(engine)
+    profile["defaults"]["blend_selector"] = {"name": "chunk-start", "k": 8, "temperature": 1.0, "scale": 1.0}
+    write_profile(engine.config.home_path, profile)
+    used = _default_blend(_reopen(engine))
+    assert used["selector"] == profile["defaults"]["blend_selector"] and used["recompute_ratio"] == 0.3
+    write_profile(engine.config.home_path, _profile(engine))
+    used = _default_blend(_reopen(engine))
+    assert (used["selector"]["name"], used["recompute_ratio"], used["check_layer"]) == ("deviation", 0.3, 1)
+
+
 def test_profile_of_another_fingerprint_or_damaged_is_ignored(make_tiny_engine, caplog):
     engine = make_tiny_engine("llama", disk=False)
     home = engine.config.home_path
@@ -133,6 +164,7 @@ def test_calibrate_measures_every_technique(make_tiny_engine):
         assert dense["n"] == 3 and dense["kl_mean"] < 1e-6 and dense["top1_agreement"] == 1.0
     assert profile["fingerprint"] == engine.fingerprint
     assert set(profile["defaults"]["kv_budget"]) == {"keykey", "streaming"}
+    assert profile["defaults"]["blend_selector"] == BlendConfig().selector.describe()
     assert "sparse keykey" in format_profile(profile)
     path = write_profile(engine.config.home_path, profile)
     assert json.loads(path.read_text())["defaults"] == profile["defaults"]

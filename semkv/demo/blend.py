@@ -1,21 +1,33 @@
-"""Demo scene: RAG with CacheBlend — documents cached once, a question answered by full prefill and by blend."""
+"""Demo scene: RAG with CacheBlend — Wikipedia paragraphs cached once, a question answered by full prefill
+and by blend with each row selector, and the tokens each selector recomputed."""
 
 from __future__ import annotations
 
 import sys
 
-from semkv.evaluation.documents import build_pool, messages_for
+from semkv.evaluation.corpora import load_squad
+from semkv.evaluation.hotpotqa import RagCase, squad_case
 from semkv.evaluation.metrics import exact_match
 from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
 
 TITLE = "CacheBlend: reuse cached documents at any position, recompute ~15% of their tokens"
-NUM_DOCS = 3
-DOC_TOKENS = 320
+# A SQuAD question of the dev split (never the test split) that SmolLM2-135M answers under full prefill
+# with six paragraphs of its article as chunks: the first such question of the dev split whose answer
+# is not already a word of the question (the one before, "sleep deprivation", repeats "deprivation").
+QUESTION_ID = "572fec30947a6a140053cdf2"
 RATIO = 0.15
+MAX_NEW_TOKENS = 24
+SELECTORS = ("deviation", "query", "chunk-start")
+
+
+def demo_case() -> RagCase:
+    """The scene's question with six paragraphs of its article (its own among them)."""
+    return squad_case(next(item for item in load_squad() if item.id == QUESTION_ID))
 
 
 def _highlight(tokenizer, token_ids: list[int], chosen: set[int], offset: int, ansi: bool) -> str:
-    """The document text with the recomputed tokens marked (ANSI reverse video, or [[...]])."""
+    """The paragraph with the recomputed tokens marked (ANSI reverse video, or [[...]])."""
     out = []
     for i, token in enumerate(token_ids):
         piece = tokenizer.decode([token])
@@ -27,52 +39,60 @@ def _highlight(tokenizer, token_ids: list[int], chosen: set[int], offset: int, a
 
 def run(engine) -> dict:
     tokenizer = engine.tokenizer
-    docs = build_pool(tokenizer, NUM_DOCS, DOC_TOKENS, seed=7)
-    texts = [d.text for d in docs]
-    target = docs[1]
-    messages = messages_for(target.question)  # one worked example turn, then the question
-    print(f"{NUM_DOCS} documents of ~{DOC_TOKENS} tokens (essay text with one inserted fact each).")
-    keys = engine.add_chunks(texts)
-    print(f"cached once as position-independent chunks: {', '.join(k[:10] for k in keys)}")
-    print(f"question: {target.question}   (inserted answer: {target.answer})")
+    case = demo_case()
+    chunks, messages = list(case.chunks), case.messages()
+    print(f"{len(chunks)} Wikipedia paragraphs (SQuAD), each cached once as a position-independent chunk.")
+    engine.add_chunks(chunks)
+    print(f"question: {case.question}   (answer in paragraph {case.gold[0] + 1}: {case.answer})")
 
     full = engine.generate(
-        messages=messages, chunks=texts, reuse="none", max_new_tokens=20, store_prompt=False
+        messages=messages, chunks=chunks, reuse="none", max_new_tokens=MAX_NEW_TOKENS, store_prompt=False
     )
-    blend = engine.generate(
-        messages=messages, chunks=texts, reuse="blend", recompute_ratio=RATIO, max_new_tokens=20
-    )
-    fs, bs = full.stats, blend.stats
-    speedup = fs["ttft_s"] / bs["ttft_s"]
-    print(f"\n{'':14}{'TTFT':>9}  {'recomputed':>10}  answer")
-    print(f"{'full prefill':14}{fs['ttft_s']:8.2f}s  {fs['recomputed_tokens']:>10}  {full.text.strip()!r}")
-    print(
-        f"{'blend ' + str(RATIO):14}{bs['ttft_s']:8.2f}s  {bs['recomputed_tokens']:>10}  {blend.text.strip()!r}"
-    )
-    print(
-        f"blend TTFT {speedup:.1f}x faster; {bs['reused_tokens']} of {bs['prompt_tokens']} prompt tokens reused"
-    )
+    runs = {"full prefill": full}
+    for name in SELECTORS:
+        config = BlendConfig(RATIO, name)
+        runs[f"{name} {RATIO}"] = engine.generate(
+            messages=messages,
+            chunks=chunks,
+            reuse="blend",
+            blend=config,
+            max_new_tokens=MAX_NEW_TOKENS,
+            store_prompt=False,
+        )
+    base = runs["full prefill"].stats["ttft_s"]
+    print(f"\n{'':18}{'TTFT':>8}  {'speed-up':>8}  {'recomputed':>10}  correct  answer")
+    correct = {}
+    for label, g in runs.items():
+        correct[label] = exact_match(g.text, case.answer)
+        print(
+            f"{label:18}{g.stats['ttft_s']:7.2f}s  {base / g.stats['ttft_s']:7.1f}x  "
+            f"{g.stats['recomputed_tokens']:>10}  {'yes' if correct[label] else 'no':>7}  {g.text.strip()!r}"
+        )
 
-    layout = engine.layout(GenerateRequest(messages=messages, chunks=texts))
-    chosen = set(bs.get("recomputed_rows", []))
+    layout = engine.layout(GenerateRequest(messages=messages, chunks=chunks))
+    spans = layout.chunk_spans()
+    seg, start, end = spans[case.gold[0]]
     ansi = sys.stdout.isatty()
     mark = "reverse video" if ansi else "[[double brackets]]"
-    print(f"\ntokens CacheBlend recomputed in each document ({mark}):")
-    for number, (seg, start, end) in enumerate(layout.chunk_spans(), 1):
-        picked = sum(1 for r in range(start, end) if r in chosen)
-        first8 = sum(1 for r in range(start, min(end, start + 8)) if r in chosen)
+    print(f"\ntokens each selector recomputed in the paragraph holding the answer ({mark}):")
+    for label, g in runs.items():
+        if label == "full prefill":
+            continue
+        chosen = set(g.stats.get("recomputed_rows", []))
+        inside = sum(1 for _, s, e in spans for r in range(s, e) if r in chosen)
+        here = sum(1 for r in range(start, end) if r in chosen)
+        first8 = sum(1 for _, s, e in spans for r in range(s, min(e, s + 8)) if r in chosen)
         print(
-            f"\n--- document {number}: {picked} of {end - start} tokens recomputed ({first8} in its first 8) ---"
+            f"\n--- {label}: {inside} chunk tokens recomputed, {here} of them in this paragraph "
+            f"({end - start} tokens), {first8} among chunks' first 8 ---"
         )
         print(_highlight(tokenizer, seg.token_ids, chosen, start, ansi))
     return {
-        "ttft_full_s": fs["ttft_s"],
-        "ttft_blend_s": bs["ttft_s"],
-        "speedup": speedup,
-        "full_answer": full.text,
-        "blend_answer": blend.text,
-        "full_correct": exact_match(full.text, target.answer),
-        "blend_correct": exact_match(blend.text, target.answer),
-        "recomputed_tokens": bs["recomputed_tokens"],
-        "prompt_tokens": bs["prompt_tokens"],
+        "question_id": QUESTION_ID,
+        "ttft_s": {label: g.stats["ttft_s"] for label, g in runs.items()},
+        "answers": {label: g.text for label, g in runs.items()},
+        "correct": correct,
+        "speedup": {label: base / g.stats["ttft_s"] for label, g in runs.items()},
+        "recomputed_tokens": {label: g.stats["recomputed_tokens"] for label, g in runs.items()},
+        "prompt_tokens": full.stats["prompt_tokens"],
     }

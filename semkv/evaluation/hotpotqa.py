@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from semkv.evaluation.corpora import HotpotItem, Paragraph, load_hotpotqa
+from semkv.evaluation.corpora import HotpotItem, Paragraph, SquadItem, load_hotpotqa, squad_articles
 from semkv.evaluation.metrics import normalize_answer
 from semkv.prompt import CHUNK_SEPARATOR, PromptLayout, build_layout
 
@@ -243,3 +243,17 @@ def hotpot_score(prediction: str, answer: str) -> HotpotScore:
         return HotpotScore(em, 0.0, 0.0, 0.0)
     precision, recall = same / len(pred.split()), same / len(gold.split())
     return HotpotScore(em, 2 * precision * recall / (precision + recall), precision, recall)
+
+
+def squad_case(item: SquadItem, paragraphs: int = 6, seed: int = 0) -> RagCase:
+    """A SQuAD question as a RAG case: its own paragraph and up to ``paragraphs - 1`` other paragraphs of
+    the same article, as chunks in a seeded order (``gold`` = the question's paragraph). The answer is
+    the annotators' first; score against every one of ``item.answers``."""
+    if isinstance(paragraphs, bool) or not isinstance(paragraphs, int) or paragraphs < 1:
+        raise ValueError(f"paragraphs must be an int >= 1, got {paragraphs!r}")
+    rng = random.Random(f"{seed}:{item.id}")
+    others = [p for p in squad_articles()[item.article] if p != item.context]
+    chosen = rng.sample(others, min(len(others), paragraphs - 1))
+    at = rng.randint(0, len(chosen))
+    chunks = tuple(chosen[:at] + [item.context] + chosen[at:])
+    return RagCase(item.id, item.question, item.answers[0], chunks, (at,), 0, None)

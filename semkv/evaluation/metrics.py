@@ -51,6 +51,14 @@ def exact_match(prediction: str, reference: str) -> bool:
     return bool(ref) and f" {ref} " in f" {normalize_answer(prediction)} "
 
 
+def degenerate_loop(token_ids: Sequence[int], window: int = 12, n: int = 3, repeats: int = 3) -> bool:
+    """The last ``window`` tokens hold some ``n``-gram ``repeats`` or more times (overlaps count): a
+    generation stuck in a loop ("the island of the island of the island of")."""
+    tail = [int(t) for t in token_ids][-window:]
+    counts = Counter(tuple(tail[i : i + n]) for i in range(len(tail) - n + 1))
+    return bool(counts) and max(counts.values()) >= repeats
+
+
 def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
     if not a or not b:
         return 0

@@ -16,6 +16,7 @@ scattered subset of queries never sees later keys.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,15 +38,46 @@ class RecomputeSelector(Protocol):
         fresh_v: Tensor,
         cached_k: Tensor,
         cached_v: Tensor,
+        inputs: LayerInputs,
     ) -> Tensor:
         """Return indices into ``active`` of the rows that continue through this layer.
 
         active: [A] row offsets (relative to ``start``) computed at this layer, ascending.
         fresh_k, cached_k: [kvh, A, d] pre-RoPE keys (fresh: this forward; cached: reused).
         fresh_v, cached_v: [kvh, A, d] values.
+        inputs: the layer's queries and keys, for selectors that rank rows by attention.
         The fresh KV of every active row is already written over the cached rows.
+
+        A selector may also have an ``attention`` method with :func:`attention`'s signature:
+        ``forward_rows`` then calls it instead of :func:`attention` (e.g. to rescale part of it).
         """
         ...
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What a :class:`RecomputeSelector` sees of one layer besides the KV of the active rows.
+
+    queries: [nh, A, d] pre-RoPE queries of the active rows; cos, sin: [A, d] their rotary tables
+    (:meth:`rotated_queries` applies them on demand); q_pos: [A] their positions.
+    keys: [kvh, T, d] rotated keys of every cache row at this layer (the active rows' fresh keys
+    already written); k_pos: [T]. first_row: the cache row of offset 0 (``forward_rows``' start).
+    scaling: the layer's softmax scale; window: its sliding window, or None.
+    """
+
+    queries: Tensor
+    cos: Tensor
+    sin: Tensor
+    q_pos: Tensor
+    keys: Tensor
+    k_pos: Tensor
+    first_row: int
+    scaling: float
+    window: int | None
+
+    def rotated_queries(self) -> Tensor:
+        """[nh, A, d] the active rows' queries at their positions."""
+        return apply_rope(self.queries, self.cos, self.sin)
 
 
 class KeyGatherer(Protocol):
@@ -336,6 +368,7 @@ class Runtime:
             and bool((positions == torch.arange(count, device=self.device)).all())
         )
         observer = cache.query_observer
+        attend = getattr(selector, "attention", None) or attention
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)
             rows = active + start
@@ -353,7 +386,20 @@ class Runtime:
                 cached_k = cache.k_pre[layer][:, rows].to(self.compute_dtype)
                 cached_v = cache.v[layer][:, rows].clone()
                 cache.write(layer, rows, k_pre, k_rot, v)
-                keep = selector.select(layer, active, k_pre.to(self.compute_dtype), v, cached_k, cached_v)
+                inputs = LayerInputs(
+                    q,
+                    cos,
+                    sin,
+                    q_pos,
+                    cache.keys(layer),
+                    cache.valid_positions(),
+                    start,
+                    a.scaling(layer),
+                    a.window(layer),
+                )
+                keep = selector.select(
+                    layer, active, k_pre.to(self.compute_dtype), v, cached_k, cached_v, inputs
+                )
                 if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
                     raise RuntimeError("a recompute selector must keep the last row")
                 if keep.numel() != active.numel():
@@ -376,7 +422,7 @@ class Runtime:
                     sin[-1:],
                 )
                 fresh_prefix = False
-            out = attention(
+            out = attend(
                 apply_rope(q, cos, sin),
                 cache.keys(layer),
                 cache.values(layer),

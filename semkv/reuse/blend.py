@@ -24,11 +24,15 @@ Prefill (the blend)
        re-applies RoPE to the stored pre-RoPE keys: exact);
     3. the uncached rows (template rest, separators, body, suffix, chunks not stored) are
        appended and always recomputed (``forced``);
-    4. :meth:`Runtime.forward_rows` with a :class:`DeviationSelector`: layers before the
-       check layer recompute every row (layer 0 always); at the check layer the top
-       ``recompute_ratio`` of the cached rows by KV deviation (fresh vs reused) go on with
-       the forced rows; the rest keep their reused KV. Optional gradual filtering narrows
-       the set over three layers (2r, 1.5r, r).
+    4. :meth:`Runtime.forward_rows` with a :class:`~semkv.reuse.selective.SelectiveRecompute`: layers
+       before the check layer recompute every row; at the check layer the best ``recompute_ratio`` of
+       the cached rows by the config's row selector (:mod:`semkv.reuse.selection`) go on with the
+       forced rows, the rest keep their reused KV. ``deviation`` is CacheBlend's KV deviation;
+       ``query`` ranks by the question's attention, measured by a cheap probe pass over the reused KV
+       run first (:class:`~semkv.reuse.selective.QueryProbe`); ``chunk-start`` takes every chunk's
+       first tokens (EPIC). Optional gradual filtering narrows the set over three layers (2r, 1.5r, r);
+       a selector's ``temperature`` / ``scale`` rescale the question rows' attention to the chunks
+       (APE-style, :class:`~semkv.reuse.selection.base.ContextScaling`).
 
 The outcome is never exact (``exact=False``): blended KV is never stored as prefix
 blocks. After the first token, the exact rows before the first reused chunk row are
@@ -53,7 +57,8 @@ from semkv.prompt import PromptLayout, build_layout
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
 from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
-from semkv.reuse.selective import DeviationSelector
+from semkv.reuse.selection.base import ContextScaling, RowInfo
+from semkv.reuse.selective import QueryProbe, SelectiveRecompute
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKey, EntryKind, chunk_key
 
@@ -205,9 +210,11 @@ class BlendReuse:
 
     def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
         assert isinstance(plan, BlendPlan)
-        runtime, layout = ctx.runtime, plan.layout
+        runtime, layout, config = ctx.runtime, plan.layout, plan.config
         held = [b.key for b in plan.prefix_blocks] + [c.key for c in plan.chunks if c is not None]
         forced: list[bool] = []
+        query: list[bool] = []
+        offsets: list[int] = []
         with ctx.store.pinned(held):
             stored = []
             if plan.prefix_tokens:
@@ -231,13 +238,16 @@ class BlendReuse:
                 else:
                     _append_blank_rows(cache, positions, ids)
                 forced.extend([entry is None] * (e - first))
-        selector = DeviationSelector(
+                query.extend([seg.kind in ("body", "suffix")] * (e - first))
+                offsets.extend(range(first - s, e - s) if seg.kind == "chunk" else [-1] * (e - first))
+        rows = RowInfo(
             torch.tensor(forced, dtype=torch.bool),
-            plan.config.schedule(runtime.num_layers),
-            plan.config.deviation_on,
+            torch.tensor(query, dtype=torch.bool),
+            torch.tensor(offsets, dtype=torch.long),
         )
-        logits = runtime.forward_rows(cache, start, selector)
-        recomputed_rows = (selector.recomputed_rows() + start).tolist()
+        recompute = self._recompute(ctx, config, rows, cache, start)
+        logits = runtime.forward_rows(cache, start, recompute)
+        recomputed_rows = (recompute.recomputed_rows() + start).tolist()
         num_forced = sum(forced)
         blended = len(forced) - num_forced
         recomputed = len(recomputed_rows)
@@ -249,9 +259,9 @@ class BlendReuse:
             "chunk_misses": plan.misses,
             "blend_cached_tokens": blended,
             "blend_selected_tokens": recomputed - num_forced,
-            "recompute_ratio": plan.config.recompute_ratio,
-            "deviation_on": plan.config.deviation_on,
-            "check_layer": plan.config.check_layer,
+            "recompute_ratio": config.recompute_ratio,
+            "selector": config.selector.describe(),
+            "check_layer": config.check_layer,
             "recomputed_rows": recomputed_rows,
             "exact_prefix_rows": first_reused,
         }
@@ -264,6 +274,28 @@ class BlendReuse:
             info=info,
             stored_summaries=stored,
         )
+
+    @staticmethod
+    def _recompute(
+        ctx: PrefillContext, config: BlendConfig, rows: RowInfo, cache: KVCache, start: int
+    ) -> SelectiveRecompute:
+        """The recompute selector of this blend; runs the query probe first when the selector needs it."""
+        runtime, selector = ctx.runtime, config.selector
+        ratio = config.recompute_ratio
+        probe = None
+        if selector.needs_probe and 0.0 < ratio < 1.0 and not bool(rows.forced.all()):
+            windows = [runtime.adapter.window(layer) for layer in range(runtime.num_layers)]
+            prober = QueryProbe(rows, selector.probe_layers(windows))
+            runtime.forward_rows(cache, start, prober)
+            probe = prober.scores
+        scaling = None
+        context = (rows.chunk_offset >= 0).nonzero().squeeze(1)
+        if selector.scales_attention and context.numel():
+            positions = cache.positions[start + context]
+            scaling = ContextScaling(
+                positions.sort().values, int(positions.max()) + 1, selector.temperature, selector.scale
+            )
+        return SelectiveRecompute(rows, config.schedule(runtime.num_layers), selector, probe, scaling)
 
     def after_prefill(
         self,

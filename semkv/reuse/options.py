@@ -8,9 +8,12 @@ request (``engine.generate(blend=..., share=...)``) or what calibration puts in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from semkv.reuse.lsh import SimHashConfig
+from semkv.reuse.selection.base import RowSelector
+from semkv.reuse.selection.query import QuerySelector
+from semkv.reuse.selection.registry import make_selector
 from semkv.reuse.selective import DeviationOn
 
 
@@ -32,42 +35,56 @@ class BlendConfig:
     recompute_ratio: fraction of the *cached* chunk tokens recomputed after the check layer
         (uncached tokens are always recomputed). 0 = full reuse (naive concatenation of the
         stored caches), 1 = every token recomputed (= full prefill).
-    check_layer: the layer whose KV deviation picks the tokens (layers before it recompute
-        every token; layer 0 always does). >= 1. Later costs more: TTFT speed-up 3.98x / 3.75x /
-        3.02x / 2.36x at layers 1 / 2 / 4 / 7 (2.2K tokens, ratio 0.15). First-token KL to full
-        prefill: 0.132 / 0.140 / 0.142 / 0.138 with BOS-sink chunks (10 questions, 4 chunks;
-        an earlier run with template-sink chunks, 6 questions, gave 0.25 / 0.20 / 0.11 / 0.04).
-    deviation_on: compare keys ("k", LMCache v1), values ("v", the paper's code) or both.
-        Measured at ratio 0.15 (KL to full): k 0.132, v 0.136, kv 0.133 (earlier 0.251 / 0.258 /
-        0.250 with template-sink chunks) — no difference; "k" is the default.
+    selector: which cached tokens: a name from :data:`semkv.reuse.selection.registry.SELECTORS`
+        ("deviation": CacheBlend's KV deviation; "query": the question's attention; "query+deviation";
+        "chunk-start": the first k tokens of every chunk; "random"), a dict ``{"name": ..., <its
+        options>}`` or a :class:`~semkv.reuse.selection.base.RowSelector`. Every selector takes the
+        APE-style attention scaling options ``temperature`` and ``scale`` (in (0, 2]).
+    check_layer: the layer where the selection is made (layers before it recompute every token).
+        None (default) = the selector's own: 1 for selectors that rank by KV deviation (layer 0's KV
+        depends on the token alone, so they need layer 1), 0 for the others (their ranking is known
+        before the forward, and a cached row's layer-0 KV equals its reused KV, so running layer 0 on
+        it is wasted). Later costs more: with deviation, TTFT speed-up 3.98x / 3.75x / 3.02x / 2.36x
+        at layers 1 / 2 / 4 / 7 (2.2K tokens, ratio 0.15); first-token KL to full prefill 0.132 /
+        0.140 / 0.142 / 0.138 (10 questions, 4 essay chunks). query at layer 0 vs 1 (HotpotQA dev,
+        16 questions, ~4K tokens, ratio 0.15): KL 0.036 vs 0.039 (SmolLM2), 0.076 vs 0.072 (Gemma 3).
     gradual: the paper's gradual filtering: keep 2r at the check layer, 1.5r at the next,
-        r from the one after (each step picks from the survivors by their new deviation).
-        Measured: KL 0.136 vs 0.132 (earlier 0.195 vs 0.251) at ~the same TTFT.
+        r from the one after (each step picks from the survivors by their new score).
+        Measured (deviation): KL 0.136 vs 0.132 at ~the same TTFT.
     sink: how chunks are precomputed (see the module docstring): after BOS (default), after
         the default chat-template prefix, or alone.
     """
 
     recompute_ratio: float = 0.15
-    check_layer: int = 1
-    deviation_on: DeviationOn = "k"
+    selector: RowSelector | str | dict[str, Any] = field(default_factory=QuerySelector)
+    check_layer: int | None = None
     gradual: bool = False
     sink: SinkMode = "bos"
 
     def __post_init__(self) -> None:
         check_fraction("recompute_ratio", self.recompute_ratio)
+        try:
+            object.__setattr__(self, "selector", make_selector(self.selector))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"blend selector: {exc}") from None
+        if self.check_layer is None:
+            object.__setattr__(self, "check_layer", 1 if self.selector.uses_deviation else 0)
         if (
             isinstance(self.check_layer, bool)
             or not isinstance(self.check_layer, int)
-            or self.check_layer < 1
+            or self.check_layer < 0
         ):
-            raise ValueError(f"check_layer must be an int >= 1, got {self.check_layer!r}")
-        if self.deviation_on not in ("k", "v", "kv"):
-            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
+            raise ValueError(f"check_layer must be an int >= 0, got {self.check_layer!r}")
+        if self.check_layer == 0 and self.selector.uses_deviation:
+            raise ValueError(
+                f"check_layer 0 cannot rank by KV deviation (layer 0's KV depends on the token alone); "
+                f"selector {self.selector.name!r} needs check_layer >= 1"
+            )
         if self.sink not in SINK_MODES:
             raise ValueError(f"sink must be one of {SINK_MODES}, got {self.sink!r}")
 
     def schedule(self, num_layers: int) -> dict[int, float]:
-        """layer -> fraction of cached rows kept from that layer on (for :class:`DeviationSelector`)."""
+        """layer -> fraction of cached rows kept from that layer on (for :class:`SelectiveRecompute`)."""
         r = float(self.recompute_ratio)
         if r == 0.0:
             # Nothing cached is recomputed anywhere: drop the cached rows at layer 0 (whose KV

@@ -24,7 +24,7 @@ whose context is the reference's) the path is refused with the reason.
 Prefill: the leading tokens identical to the reference's are exact and loaded as
 they are; the rest get the reference K/V gathered in the new order and re-rotated to
 their new positions (:meth:`Runtime.load_rows`), and one :meth:`Runtime.forward_rows`
-pass with the shared :class:`DeviationSelector` (the mechanism CacheBlend uses)
+pass with the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses)
 recomputes layer 0 fully, unmatched tokens and the last token always, and from layer
 1 on the matched tokens whose fresh KV deviates most from the reused KV, a fraction
 that decays with depth (exponential by default, as in the paper; constant as an
@@ -57,7 +57,7 @@ from semkv.reuse.lsh import (
     unpack_bits,
 )
 from semkv.reuse.options import ReuseOptions, ShareConfig
-from semkv.reuse.selective import DeviationSelector
+from semkv.reuse.selective import SelectiveRecompute, deviation_recompute
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKind, prompt_key
 
@@ -387,7 +387,7 @@ class SharePath:
             kinds = torch.from_numpy(match.kind[prefix:]).to(torch.long)[rows - prefix]
             forced |= kinds != ALIGNED
         forced[-config.recompute_last :] = True
-        selector = DeviationSelector(
+        selector = deviation_recompute(
             forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on
         )
         logits = ctx.runtime.forward_rows(cache, start, selector)
@@ -397,7 +397,7 @@ class SharePath:
         self,
         logits: Tensor,
         plan: SharePlan,
-        selector: DeviationSelector,
+        selector: SelectiveRecompute,
         prefix: int,
         computed: int,
         num_layers: int,

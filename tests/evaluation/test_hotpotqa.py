@@ -105,3 +105,20 @@ def test_hotpot_scores_match_hand_computed_values(prediction, answer, em, f1, pr
     assert score.f1 == pytest.approx(f1)
     assert score.precision == pytest.approx(precision)
     assert score.recall == pytest.approx(recall)
+
+
+def test_squad_case_holds_its_paragraph_among_its_articles():
+    """A SQuAD case: the question's paragraph at ``gold`` among other paragraphs of its article, seeded."""
+    from semkv.evaluation.corpora import squad_articles, squad_split
+    from semkv.evaluation.hotpotqa import squad_case
+
+    item = squad_split("test")[0]
+    case = squad_case(item, paragraphs=4)
+    article = set(squad_articles()[item.article])
+    assert len(case.chunks) == min(4, len(article)) and set(case.chunks) <= article
+    assert case.chunks[case.gold[0]] == item.context and case.chunks.count(item.context) == 1
+    assert case.answer == item.answers[0] and case.answer in item.context
+    assert squad_case(item, paragraphs=4) == case and squad_case(item, paragraphs=4, seed=1) != case
+    assert squad_case(item, paragraphs=1).chunks == (item.context,)
+    with pytest.raises(ValueError, match="paragraphs"):
+        squad_case(item, paragraphs=0)

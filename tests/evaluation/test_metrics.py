@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from semkv.evaluation.metrics import (
     answer_f1,
     best_answer_f1,
+    degenerate_loop,
     exact_match,
     logit_kl,
     normalize_answer,
@@ -208,3 +209,14 @@ def test_t_quantile_95_against_the_t_table(dof, quantile, tolerance):
 def test_t_quantile_95_needs_a_degree_of_freedom():
     with pytest.raises(ValueError, match="degrees of freedom"):
         t_quantile_95(0)
+
+
+# -- degenerate loops ----------------------------------------------------------------------------------------
+def test_degenerate_loop():
+    loop = [5, 9, 7, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12]  # "the island of the island of ..."
+    assert degenerate_loop(loop)
+    assert not degenerate_loop(list(range(20)))
+    assert not degenerate_loop([11, 12, 13, 11, 12, 13, 1, 2, 3, 4, 5, 6, 7, 8])  # twice only
+    assert not degenerate_loop([11, 12, 13] * 3 + list(range(100, 110)))  # the loop is before the last 12
+    assert degenerate_loop([4, 4, 4, 4, 4])  # one token repeated: the 3-gram (4, 4, 4) three times
+    assert not degenerate_loop([])

@@ -96,7 +96,7 @@ def test_deviation_does_not_grow_with_ratio(family, make_tiny_engine, tokenizer)
     means = []
     for ratio in (0.0, 0.2, 0.5, 1.0):
         kls = [
-            logit_kl(f, _first_logits(engine, o, reuse="blend", recompute_ratio=ratio)[0])
+            logit_kl(f, _first_logits(engine, o, reuse="blend", blend=BlendConfig(ratio, "deviation"))[0])
             for o, f in zip(orders, fulls, strict=True)
         ]
         means.append(sum(kls) / len(kls))
@@ -150,10 +150,12 @@ def test_bad_input(make_tiny_engine, tokenizer):
             engine.generate(QUESTION, chunks=DOCS, reuse="blend", recompute_ratio=bad)
         with pytest.raises(ValueError, match="recompute_ratio"):
             BlendConfig(recompute_ratio=bad)
-    with pytest.raises(ValueError, match="check_layer must be an int >= 1"):
-        BlendConfig(check_layer=0)
-    with pytest.raises(ValueError, match="deviation_on must be 'k', 'v' or 'kv'"):
-        GenerateRequest(prompt="x", blend={"deviation_on": "q"})
+    with pytest.raises(ValueError, match="check_layer must be an int >= 0"):
+        BlendConfig(check_layer=-1)
+    with pytest.raises(ValueError, match="check_layer 0 cannot rank by KV deviation"):
+        BlendConfig(selector="deviation", check_layer=0)
+    with pytest.raises(ValueError, match="on must be one of"):
+        GenerateRequest(prompt="x", blend={"selector": {"name": "deviation", "on": "q"}})
     with pytest.raises(ValueError, match="sink must be one of"):
         BlendConfig(sink="eos")
     with pytest.raises(ValueError, match="not one string"):
@@ -209,7 +211,7 @@ def test_smollm2_blend(make_smol_engine):
     assert logit_kl(full, half) <= logit_kl(full, zero)
 
 
-# -- blend options: check layer, deviation_on, gradual, sink ------------------------------------------------
+# -- blend options: check layer, deviation's K / V / K+V, gradual, sink ------------------------------------------------
 def _blend_seq(engine: Engine, chunks, **blend):
     request = GenerateRequest(
         prompt=QUESTION, chunks=chunks, max_new_tokens=1, reuse="blend", store_prompt=False, blend=blend
@@ -253,7 +255,7 @@ def test_check_layer_recomputes_every_row_up_to_it(make_tiny_engine, tokenizer, 
     engine.add_chunks(DOCS)
     ratio = 0.3
     blend, full = (
-        _blend_seq(engine, DOCS, recompute_ratio=ratio, check_layer=check_layer),
+        _blend_seq(engine, DOCS, recompute_ratio=ratio, selector="deviation", check_layer=check_layer),
         _full_seq(engine, DOCS),
     )
     assert blend.outcome.info["check_layer"] == check_layer
@@ -282,7 +284,8 @@ def test_deviation_on_ranks_rows_by_keys_values_or_both(make_tiny_engine, tokeni
     full = _full_seq(engine, DOCS)
     chosen = {}
     for on in ("k", "v", "kv"):
-        blend = _blend_seq(engine, DOCS, recompute_ratio=0.2, check_layer=1, deviation_on=on)
+        selector = {"name": "deviation", "on": on}
+        blend = _blend_seq(engine, DOCS, recompute_ratio=0.2, selector=selector, check_layer=1)
         rows = _chunk_rows(engine, blend.layout)
         dk = {r: float((full.cache.k_pre[1][:, r] - e.k[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
         dv = {r: float((full.cache.v[1][:, r] - e.v[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
@@ -302,7 +305,9 @@ def test_gradual_filtering_narrows_over_three_layers(make_tiny_engine, tokenizer
     engine = _engine(make_tiny_engine, tokenizer, "llama", layers=6)
     engine.add_chunks(DOCS)
     ratio = 0.2
-    blend = _blend_seq(engine, DOCS, recompute_ratio=ratio, check_layer=1, gradual=gradual)
+    blend = _blend_seq(
+        engine, DOCS, recompute_ratio=ratio, selector="deviation", check_layer=1, gradual=gradual
+    )
     rows = _chunk_rows(engine, blend.layout)
     recomputed = [len(rows) - len(_rows_holding_reused_kv(blend, rows, layer)) for layer in range(2, 6)]
     fractions = (2 * ratio, 1.5 * ratio, ratio, ratio) if gradual else (ratio,) * 4

@@ -168,3 +168,47 @@ def test_body_over_the_limit(tiny_app):
     with TestClient(tiny_app(ServerConfig(max_body_bytes=4096))) as c:
         assert_openai_error(c.post("/v1/completions", json={**GOOD, "prompt": "x" * 5000}), 413)
         assert c.post("/v1/completions", json=GOOD).status_code == 200
+
+
+BAD_BLEND_SELECTORS = [
+    ({"selector": "bogus"}, "selector"),
+    ({"selector": {"name": "chunk-start", "k": -4}}, "k"),
+    ({"selector": {"name": "query", "temperature": 0}}, "temperature"),
+    ({"selector": {"name": "query", "temperature": 2.01}}, "temperature"),
+    ({"selector": {"name": "deviation", "scale": -1.0}}, "scale"),
+    ({"selector": {"name": "deviation", "scale": 5}}, "scale"),
+    ({"selector": {"name": "query", "depth": "deep"}}, "depth"),
+    ({"selector": {"k": 3}}, "name"),
+    ({"recompute_ratio": 1.5}, "recompute_ratio"),
+]
+
+
+@pytest.mark.parametrize("blend,field", BAD_BLEND_SELECTORS, ids=[str(b) for b, _ in BAD_BLEND_SELECTORS])
+def test_bad_blend_selector(client, blend, field):
+    """A bad blend selector or selector option over HTTP is a 400 whose message names the field."""
+    body = {**GOOD, "semkv": {"chunks": ["A short document."], "reuse": "blend", "blend": blend}}
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400, param="semkv")
+    assert field in error["message"], error
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_blend_selector_over_http(client):
+    """A selector and its options chosen per request reach the blend of an uploaded document (the stats
+    echo them)."""
+    doc = "The lighthouse keeper counted ships every night and wrote their names in a blue book."
+    doc_id = client.post("/v1/documents", json={"input": doc}).json()["data"][0]["id"]
+    for number, selector in enumerate(
+        ("query", {"name": "chunk-start", "k": 3, "temperature": 0.9, "scale": 0.8})
+    ):
+        blend = {"recompute_ratio": 0.5, "selector": selector}
+        body = {
+            **GOOD,
+            "prompt": f"What did the keeper count? ({number})",
+            "semkv": {"documents": [doc_id], "reuse": "blend", "store_prompt": False, "blend": blend},
+        }
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        stats = r.json()["semkv"]
+        assert stats["path"] == "blend" and stats["chunk_hits"] == 1 and stats["blend_selected_tokens"] > 0
+        expected = selector if isinstance(selector, dict) else {"name": selector}
+        assert {k: stats["selector"][k] for k in expected} == expected
