@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from semkv.models.runtime import SPLIT_QUERY_ROWS, attention
+from semkv.models.kernels import SPLIT_QUERY_ROWS, attention
 
 
 def reference(q, k, v, q_pos, k_pos, scaling, window=None):
@@ -95,15 +95,15 @@ def test_suffix_queries_match_reference(reused):
 def test_generic_path_without_the_cpu_kernel(num_queries, monkeypatch):
     """On a device without the CPU flash kernel (GPU, or a torch build lacking it) attention takes the
     generic SDPA path: same result on scattered and suffix queries."""
-    import semkv.models.runtime as runtime
+    import semkv.models.kernels as kernels
 
     q, k, v, q_pos, k_pos = _case(3, 700, num_queries)
     scaling = 1 / math.sqrt(16)
     fused = attention(q, k, v, q_pos, k_pos, scaling)
     tail = torch.arange(700 - num_queries, 700)
     fused_suffix = attention(q, k, v, tail, k_pos, scaling)
-    monkeypatch.setattr(runtime, "_FLASH_CPU", None)
-    assert not runtime._splittable(q, k, q_pos, k_pos, None)
+    monkeypatch.setattr(kernels, "_FLASH_CPU", None)
+    assert not kernels._splittable(q, k, q_pos, k_pos, None)
     torch.testing.assert_close(attention(q, k, v, q_pos, k_pos, scaling), fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(attention(q, k, v, tail, k_pos, scaling), fused_suffix, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused, reference(q, k, v, q_pos, k_pos, scaling), atol=1e-5, rtol=1e-5)
