@@ -7,7 +7,8 @@ in one run, warm-up excluded, repeats interleaved so that machine noise hits eve
   dtype vs HF's ``model(ids, logits_to_keep=1)`` (the last token's logits only, as ``generate``
   computes them) in fp32 and bf16 (the model cast with ``.to(torch.bfloat16)``);
 * decode: ms/token of our engine's decode steps vs HF's forward with its own cache (one token per
-  call, greedy), from the first generated token to the last;
+  call, greedy): as the user sees it (from the first generated token to the last) and the steady-state
+  step (the median time between two consecutive tokens);
 * precision: first-token KL(fp32 || bf16) over several texts per length (ours and HF's), and greedy
   agreement: the decoded tokens of bf16 equal to fp32's before the first difference.
 
@@ -83,16 +84,18 @@ class HFSystem:
         return time.perf_counter() - start, out.logits[0, -1].float(), out.past_key_values
 
     @torch.inference_mode()
-    def decode(self, ids: list[int], tokens: int) -> tuple[float, list[int]]:
-        """(seconds per token from the first generated token to the last, greedy tokens)."""
+    def decode(self, ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
+        """(seconds per token from the first generated token to the last, median seconds of one step,
+        greedy tokens)."""
         _, logits, cache = self.prefill(ids)
         out_tokens = [int(logits.argmax())]
-        start = time.perf_counter()
+        stamps = [time.perf_counter()]
         for _ in range(tokens - 1):
             out = self.model(torch.tensor([[out_tokens[-1]]]), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             out_tokens.append(int(out.logits[0, -1].argmax()))
-        return (time.perf_counter() - start) / max(1, tokens - 1), out_tokens
+            stamps.append(time.perf_counter())
+        return _per_token(stamps), _step(stamps), out_tokens
 
 
 class EngineSystem:
@@ -105,22 +108,38 @@ class EngineSystem:
         seq = self.engine.prefill(_request(text, 1))
         return seq.ttft_s, seq.first_logits
 
-    def decode(self, text: str, tokens: int) -> tuple[float, list[int]]:
+    def decode(self, text: str, tokens: int) -> tuple[float, float, list[int]]:
+        """(seconds per token from the first generated token to the last, median seconds between two
+        streamed tokens, greedy tokens)."""
         seq = self.engine.prefill(_request(text, tokens))
-        self.engine.decode(seq)
-        return seq.decode_s / max(1, tokens - 1), list(seq.tokens)
+        stamps: list[float] = []
+        self.engine.decode(seq, on_token=lambda _token: stamps.append(time.perf_counter()))
+        return seq.decode_s / max(1, tokens - 1), _step(stamps), list(seq.tokens)
+
+
+def _per_token(stamps: list[float]) -> float:
+    """Seconds per token from the first of ``stamps`` (one per token) to the last."""
+    return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+
+
+def _step(stamps: list[float]) -> float:
+    """Median seconds between consecutive ``stamps``: the steady-state step."""
+    return median([b - a for a, b in zip(stamps, stamps[1:], strict=False)]) if len(stamps) > 1 else 0.0
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: the median time to sum a tensor far larger than the caches."""
-    x = torch.ones(megabytes * 2**20 // 2, dtype=torch.bfloat16)
-    x.sum(dtype=torch.float32)
+    """Weight-read bandwidth in GB/s as a decode step's matmuls see it: the median time of one bf16
+    matrix-vector product over a matrix far larger than the caches."""
+    width = 1024
+    weight = torch.ones(megabytes * 2**20 // (2 * width), width, dtype=torch.bfloat16)
+    x = torch.ones(1, width, dtype=torch.bfloat16)
+    F.linear(x, weight)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        x.sum(dtype=torch.float32)
+        F.linear(x, weight)
         times.append(time.perf_counter() - start)
-    return x.numel() * 2 / median(times) / 1e9
+    return weight.numel() * 2 / median(times) / 1e9
 
 
 def _prefill(system: Any, text: str, ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -152,16 +171,18 @@ def measure_length(
         for name, s in systems.items():
             first[name].append(_prefill(s, text, text_ids)[1])
         tick()
-    decode, tokens = {}, {}
+    decode, step, tokens = {}, {}, {}
     for name, s in systems.items():
         arg = texts[0] if name.startswith("ours") else ids[0]
-        decode[name], tokens[name] = s.decode(arg, args.decode_tokens)
+        decode[name], step[name], tokens[name] = s.decode(arg, args.decode_tokens)
         tick()
     row: dict[str, Any] = {"context_tokens": len(ids[0])}
     for name in systems:
         row[f"prefill_s_{name}"] = median(prefill[name])
     for name in systems:
         row[f"decode_ms_{name}"] = 1000 * decode[name]
+    for name in systems:
+        row[f"step_ms_{name}"] = 1000 * step[name]
     best_hf_decode = min(row["decode_ms_hf_fp32"], row["decode_ms_hf_bf16"])
     row["prefill_bf16_over_hf_fp32"] = row["prefill_s_ours_bf16"] / row["prefill_s_hf_fp32"]
     row["prefill_bf16_over_hf_bf16"] = row["prefill_s_ours_bf16"] / row["prefill_s_hf_bf16"]
@@ -223,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
             f" | HF fp32 {row['decode_ms_hf_fp32']:.1f} bf16 {row['decode_ms_hf_bf16']:.1f} | ours bf16 / HF best "
             f"{row['decode_bf16_over_hf_best']:.2f}"
             + (f" | floor {row['decode_floor_ms_bf16']:.1f}" if "decode_floor_ms_bf16" in row else "")
+        )
+        print(
+            f"      steady step ms: ours fp32 {row['step_ms_ours_fp32']:.1f} bf16 {row['step_ms_ours_bf16']:.1f}"
+            f" | HF fp32 {row['step_ms_hf_fp32']:.1f} bf16 {row['step_ms_hf_bf16']:.1f}"
         )
         print(
             f"      first-token KL bf16 vs fp32: ours {row['kl_ours_bf16']:.2e}, HF {row['kl_hf_bf16']:.2e} "
