@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from semkv.bench.prefix import plain_request
 from semkv.bench.report import median, write_results
 from semkv.evaluation.essays import haystack
-from semkv.request import GenerateRequest
+from semkv.evaluation.metrics import logit_kl
 
 SYSTEMS = ("ours_fp32", "ours_bf16", "hf_fp32", "hf_bf16")
 
@@ -41,25 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens decoded per measurement")
     p.add_argument("--kl-texts", type=int, default=4, help="texts per length for the first-token KL")
     p.add_argument("--bandwidth", action="store_true", help="also measure memory read bandwidth")
-
-
-def _request(text: str, max_new_tokens: int) -> GenerateRequest:
-    """Full prefill of plain ``text`` (no template), greedy, fixed length, nothing stored."""
-    return GenerateRequest(
-        prompt=text,
-        use_chat_template=False,
-        reuse="none",
-        store_prompt=False,
-        stop_at_eos=False,
-        max_new_tokens=max_new_tokens,
-    )
-
-
-def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(softmax(reference) || softmax(other)) in nats; logits [V]."""
-    p = F.log_softmax(reference.float(), dim=-1)
-    q = F.log_softmax(other.float(), dim=-1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def agreement(reference: list[int], other: list[int]) -> int:
@@ -95,7 +77,7 @@ class HFSystem:
             cache = out.past_key_values
             out_tokens.append(int(out.logits[0, -1].argmax()))
             stamps.append(time.perf_counter())
-        return _per_token(stamps), _step(stamps), out_tokens
+        return per_token_seconds(stamps), median_step_seconds(stamps), out_tokens
 
 
 class EngineSystem:
@@ -105,24 +87,24 @@ class EngineSystem:
         self.engine = engine
 
     def prefill(self, text: str) -> tuple[float, torch.Tensor]:
-        seq = self.engine.prefill(_request(text, 1))
+        seq = self.engine.prefill(plain_request(text, 1))
         return seq.ttft_s, seq.first_logits
 
     def decode(self, text: str, tokens: int) -> tuple[float, float, list[int]]:
         """(seconds per token from the first generated token to the last, median seconds between two
         streamed tokens, greedy tokens)."""
-        seq = self.engine.prefill(_request(text, tokens))
+        seq = self.engine.prefill(plain_request(text, tokens))
         stamps: list[float] = []
         self.engine.decode(seq, on_token=lambda _token: stamps.append(time.perf_counter()))
-        return seq.decode_s / max(1, tokens - 1), _step(stamps), list(seq.tokens)
+        return seq.decode_s / max(1, tokens - 1), median_step_seconds(stamps), list(seq.tokens)
 
 
-def _per_token(stamps: list[float]) -> float:
+def per_token_seconds(stamps: list[float]) -> float:
     """Seconds per token from the first of ``stamps`` (one per token) to the last."""
     return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
 
 
-def _step(stamps: list[float]) -> float:
+def median_step_seconds(stamps: list[float]) -> float:
     """Median seconds between consecutive ``stamps``: the steady-state step."""
     return median([b - a for a, b in zip(stamps, stamps[1:], strict=False)]) if len(stamps) > 1 else 0.0
 
@@ -155,7 +137,7 @@ def measure_length(
 ) -> dict[str, Any]:
     """One row: prefill seconds, decode ms/token, KL and agreement of every system at ``length`` tokens."""
     texts = [haystack(tokenizer, length, start_essay=i) for i in range(max(1, args.kl_texts))]
-    ids = [systems["ours_fp32"].engine.layout(_request(t, 1)).token_ids for t in texts]
+    ids = [systems["ours_fp32"].engine.layout(plain_request(t, 1)).token_ids for t in texts]
     first = {name: [] for name in systems}  # first logits per text
     prefill = {name: [] for name in systems}
     for s in systems.values():  # warm-up
@@ -189,9 +171,11 @@ def measure_length(
     row["decode_bf16_over_hf_best"] = row["decode_ms_ours_bf16"] / best_hf_decode
     row["decode_fp32_over_hf_best"] = row["decode_ms_ours_fp32"] / best_hf_decode
     row["kl_ours_bf16"] = median(
-        [kl(a, b) for a, b in zip(first["ours_fp32"], first["ours_bf16"], strict=True)]
+        [logit_kl(a, b) for a, b in zip(first["ours_fp32"], first["ours_bf16"], strict=True)]
     )
-    row["kl_hf_bf16"] = median([kl(a, b) for a, b in zip(first["hf_fp32"], first["hf_bf16"], strict=True)])
+    row["kl_hf_bf16"] = median(
+        [logit_kl(a, b) for a, b in zip(first["hf_fp32"], first["hf_bf16"], strict=True)]
+    )
     row["kl_texts"] = len(texts)
     row["greedy_agree_ours"] = agreement(tokens["ours_fp32"], tokens["ours_bf16"])
     row["greedy_agree_hf"] = agreement(tokens["hf_fp32"], tokens["hf_bf16"])

@@ -13,9 +13,9 @@ import statistics
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from semkv.evaluation.essays import haystack
+from semkv.evaluation.metrics import logit_kl
 
 QUESTIONS = [
     "What is the main point of the text above? Answer in one sentence.",
@@ -24,12 +24,6 @@ QUESTIONS = [
 ]
 KL_LIMIT = 0.01
 NEW_TOKENS = 12
-
-
-def first_token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(softmax(reference) || softmax(other)) in nats; logits [V]."""
-    p, q = F.log_softmax(reference.float(), -1), F.log_softmax(other.float(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 @pytest.mark.real_model
@@ -44,7 +38,7 @@ def test_bf16_first_token_kl_on_real_text(make_smol_engine, record_property):
         request = dict(prompt=text, max_new_tokens=NEW_TOKENS, stop_at_eos=False, reuse="none")
         a = fp32.generate(**request, store_prompt=False)
         b = bf16.generate(**request, store_prompt=False)
-        kls.append(first_token_kl(a.first_logits, b.first_logits))
+        kls.append(logit_kl(a.first_logits, b.first_logits))
         same = next(
             (j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), None
         )
