@@ -417,6 +417,7 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
         "model": engine.name,
         "fingerprint": engine.fingerprint,
         "kv_dtype": engine.config.kv_dtype,
+        "compute_dtype": str(engine.runtime.compute_dtype).removeprefix("torch."),
         "block_size": engine.config.block_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.perf_counter() - start, 1),

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from semkv.config import default_home
+from semkv.models.precision import COMPUTE_DTYPE_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device (cpu; cuda is built for, untested)")
+    p.add_argument(
+        "--compute-dtype",
+        default="auto",
+        choices=list(COMPUTE_DTYPE_CHOICES),
+        help="dtype of the model's matmuls and attention (auto: bfloat16 where the CPU has AVX512-BF16/AMX)",
+    )
 
 
 def _engine(args: argparse.Namespace):

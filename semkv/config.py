@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from semkv.models.precision import COMPUTE_DTYPE_CHOICES, resolve_compute_dtype
+
 KV_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -84,6 +86,9 @@ class EngineConfig:
     models_dir: where embedded models are converted; None = ``<home>/models``. Several processes with
         their own ``home`` (own disk store) can share one converted copy through it.
     kv_dtype: dtype of KV at rest *and* in the live computation ("float16", "bfloat16", "float32").
+    compute_dtype: dtype the model's matmuls and attention run in ("auto", "float32", "bfloat16",
+        "float16"). "auto": bfloat16 where the device has fast bf16 (CPU: AVX512-BF16 / AMX), else
+        float32. Entries stored under one compute dtype are never served to another.
     block_size: tokens per prefix block.
     threads: torch intra-op threads; None leaves torch's default.
     device: the torch device the model and its KV live on ("cpu", "cuda", "cuda:1", ...). Only "cpu"
@@ -98,6 +103,7 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     models_dir: str | Path | None = None
     device: str = "cpu"
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str):
@@ -106,6 +112,10 @@ class EngineConfig:
             torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
+        if self.compute_dtype not in COMPUTE_DTYPE_CHOICES:
+            raise ValueError(
+                f"compute_dtype must be one of {list(COMPUTE_DTYPE_CHOICES)}, got {self.compute_dtype!r}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -120,6 +130,11 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        """The compute dtype on this config's device ("auto" resolved; warns if it is emulated there)."""
+        return resolve_compute_dtype(self.compute_dtype, self.device)
 
     @property
     def torch_device(self) -> torch.device:

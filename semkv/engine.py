@@ -68,9 +68,13 @@ class Engine:
         self.tokenizer = tokenizer
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.adapter = adapter_for(hf_model.config.model_type)(hf_model)
-        self.runtime = Runtime(self.adapter, config.torch_kv_dtype)
-        self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype)
+        compute_dtype = config.torch_compute_dtype
+        # the runtime runs a private copy in the compute dtype if hf_model is in another one
+        self.runtime = Runtime(
+            adapter_for(hf_model.config.model_type)(hf_model), config.torch_kv_dtype, compute_dtype
+        )
+        self.adapter = self.runtime.adapter
+        self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype, compute_dtype)
         self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
         self.paths: dict[str, ReusePath] = build_paths(self.share_index_folder())
@@ -94,6 +98,7 @@ class Engine:
         store: StoreConfig | None = None,
         models_dir: str | Path | None = None,
         device: str = "cpu",
+        compute_dtype: str = "auto",
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
         checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
@@ -106,6 +111,7 @@ class Engine:
             store=store or StoreConfig(),
             models_dir=models_dir,
             device=device,
+            compute_dtype=compute_dtype,
         )
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
         return cls(config, loaded.hf_model, loaded.tokenizer, name=loaded.name)
@@ -113,7 +119,7 @@ class Engine:
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> Engine:
         """An engine from the standard CLI flags (``--model --home --kv-dtype --block-size --threads``,
-        and ``--models-dir`` / ``--device`` where a command has them); ``overrides`` replace or add
+        and ``--models-dir`` / ``--device`` / ``--compute-dtype`` where a command has them); ``overrides`` replace or add
         keyword arguments."""
         options: dict[str, Any] = {
             "home": args.home,
@@ -122,6 +128,7 @@ class Engine:
             "threads": args.threads,
             "models_dir": getattr(args, "models_dir", None),
             "device": getattr(args, "device", None) or "cpu",
+            "compute_dtype": getattr(args, "compute_dtype", None) or "auto",
         }
         options.update(overrides)
         return cls.from_pretrained(args.model, **options)

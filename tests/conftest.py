@@ -127,7 +127,10 @@ def tiny_checkpoint_shared(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def make_tiny_engine(tmp_path, tokenizer):
-    """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path."""
+    """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path.
+
+    Engines compute in float32 unless ``compute_dtype`` says otherwise: exactness tests compare with HF's
+    fp32 forward (``auto`` would pick bf16 on CPUs that have it)."""
     counter = {"n": 0}
 
     def make(
@@ -136,6 +139,7 @@ def make_tiny_engine(tmp_path, tokenizer):
         block_size: int = 4,
         seed: int = 0,
         hf_model=None,
+        compute_dtype: str = "float32",
         **store,
     ) -> Engine:
         counter["n"] += 1
@@ -146,6 +150,7 @@ def make_tiny_engine(tmp_path, tokenizer):
             kv_dtype=kv_dtype,
             block_size=block_size,
             store=StoreConfig(**store),
+            compute_dtype=compute_dtype,
         )
         return Engine(config, model, tokenizer, name=f"tiny-{family}")
 
@@ -156,13 +161,16 @@ def make_tiny_engine(tmp_path, tokenizer):
 def make_smol_engine(tmp_path, smollm2):
     """make_smol_engine(kv_dtype="float32", **store) -> Engine over the real SmolLM2 with a fresh store."""
 
-    def make(kv_dtype: str = "float32", block_size: int = 16, home=None, **store) -> Engine:
+    def make(
+        kv_dtype: str = "float32", block_size: int = 16, home=None, compute_dtype: str = "float32", **store
+    ) -> Engine:
         config = EngineConfig(
             model="smollm2-135m",
             home=home or tmp_path / "smol-home",
             kv_dtype=kv_dtype,
             block_size=block_size,
             store=StoreConfig(**store),
+            compute_dtype=compute_dtype,
         )
         return Engine(config, smollm2.hf_model, smollm2.tokenizer, name="smollm2-135m")
 

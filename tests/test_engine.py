@@ -117,7 +117,7 @@ def test_missing_and_unsupported_model_folders(tmp_path):
 @pytest.mark.real_model
 def test_prefix_reuse_persists_across_processes(tmp_path, make_smol_engine):
     """A second process reuses, by prefix reuse, the blocks the first wrote to disk, and answers
-    identically."""
+    identically (both compute in float32: entries of another compute dtype are a miss)."""
     home = tmp_path / "shared-home"
     engine = make_smol_engine(kv_dtype="float16", home=home)
     question = DOC + "\n\nWhich topic does sentence 3 talk about?"
@@ -129,7 +129,8 @@ def test_prefix_reuse_persists_across_processes(tmp_path, make_smol_engine):
         from semkv.engine import Engine
         from semkv.models.loader import load_model
         m = load_model("smollm2-135m", default_home())
-        e = Engine(EngineConfig(home={str(home)!r}, kv_dtype="float16"), m.hf_model, m.tokenizer)
+        config = EngineConfig(home={str(home)!r}, kv_dtype="float16", compute_dtype="float32")
+        e = Engine(config, m.hf_model, m.tokenizer)
         g = e.generate(prompt={question!r}, max_new_tokens=8, reuse="prefix")
         print(json.dumps({{"path": g.stats["path"], "reused": g.stats["reused_tokens"], "ids": g.token_ids}}))
         """

@@ -12,6 +12,11 @@ against full prefill / dense decoding on the same engine:
 * share recomputing every row (constant ratio 1.0) == full prefill of the edited prompt;
 * every sparse policy at a budget covering every block, through the fast-tier gather path
   (``dense_when_covered=False``) == dense (engine decode and teacher-forced logits).
+
+Every check runs in both compute dtypes: float32 (the criteria above) and bfloat16, where each
+path runs in bf16 end to end and logits must agree within ``ATOL_BF16`` (HF's reference stays
+fp32; tokens are compared in fp32 only). A missing causal mask in the bf16 kernel moves these
+logits by 0.04-0.77, bf16 rounding by < 0.006.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from semkv.sparse import POLICIES, SparseConfig, SparseDecoder, make_policy
 from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
 ATOL = 1e-4
+ATOL_BF16 = 2e-2
+DTYPES = ["float32", "bfloat16"]
 NEW_TOKENS = 8
 PROMPT = (
     "The committee met on Tuesday to review the budget for the new library. Members argued about the "
@@ -46,18 +53,29 @@ def family(request) -> str:
     return request.param
 
 
-def _same(a, b) -> None:
-    """Two generations agree: first logits within ATOL, identical tokens."""
-    torch.testing.assert_close(a.first_logits, b.first_logits, atol=ATOL, rtol=0)
-    assert a.token_ids == b.token_ids
+@pytest.fixture(params=DTYPES)
+def dtype(request) -> str:
+    return request.param
+
+
+def _atol(dtype: str) -> float:
+    return ATOL if dtype == "float32" else ATOL_BF16
+
+
+def _same(a, b, dtype: str = "float32") -> None:
+    """Two generations agree: first logits within the dtype's tolerance, identical tokens (fp32)."""
+    torch.testing.assert_close(a.first_logits, b.first_logits, atol=_atol(dtype), rtol=0)
+    if dtype == "float32":
+        assert a.token_ids == b.token_ids
 
 
 def _run(engine, **kw):
     return engine.generate(max_new_tokens=NEW_TOKENS, stop_at_eos=False, **kw)
 
 
-def test_prefill_and_decode_match_hf(family, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False)
+def test_prefill_and_decode_match_hf(family, dtype, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
+    assert engine.runtime.compute_dtype == getattr(torch, dtype)
     g = _run(engine, prompt=PROMPT, reuse="none")
     ids = engine.layout(GenerateRequest(prompt=PROMPT)).token_ids
     model = engine.hf_model
@@ -70,62 +88,65 @@ def test_prefill_and_decode_match_hf(family, make_tiny_engine):
         do_sample=False,
         pad_token_id=0,
     )[0, len(ids) :].tolist()
-    torch.testing.assert_close(g.first_logits, reference, atol=ATOL, rtol=0)
-    assert g.token_ids == expected
+    torch.testing.assert_close(g.first_logits, reference, atol=_atol(dtype), rtol=0)
+    if dtype == "float32":
+        assert g.token_ids == expected
 
 
-def test_prefix_reuse_is_exact(family, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False)
+def test_prefix_reuse_is_exact(family, dtype, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
     longer = PROMPT + " Answer in one short sentence, please."
     full_longer = _run(engine, prompt=longer, reuse="none", store_prompt=False)
     first = _run(engine, prompt=PROMPT, reuse="none")  # stores its blocks
     again = _run(engine, prompt=PROMPT, reuse="prefix")
     assert again.stats["path"] == "prefix" and again.stats["reused_tokens"] > 0
-    _same(again, first)
+    _same(again, first, dtype)
     extended = _run(engine, prompt=longer, reuse="prefix")
     assert extended.stats["path"] == "prefix" and extended.stats["reused_tokens"] > 0
-    _same(extended, full_longer)
+    _same(extended, full_longer, dtype)
 
 
-def test_blend_at_full_ratio_is_full_prefill(family, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False)
+def test_blend_at_full_ratio_is_full_prefill(family, dtype, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
     engine.add_chunks(CHUNKS)
     full = _run(engine, prompt=QUESTION, chunks=CHUNKS, reuse="none", store_prompt=False)
     blend = _run(
         engine, prompt=QUESTION, chunks=CHUNKS, reuse="blend", recompute_ratio=1.0, store_prompt=False
     )
     assert blend.stats["path"] == "blend"
-    _same(blend, full)
+    _same(blend, full, dtype)
 
 
-def test_share_recomputing_everything_is_full_prefill(family, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False)
+def test_share_recomputing_everything_is_full_prefill(family, dtype, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
     config = ShareConfig(min_tokens=16, min_aligned_after_prefix=8, schedule="constant", constant_ratio=1.0)
     _run(engine, prompt=PROMPT, reuse="none", share=config)  # remembered for sharing
     full = _run(engine, prompt=EDITED, reuse="none", store_prompt=False)
     shared = _run(engine, prompt=EDITED, reuse="share", share=config, store_prompt=False)
     assert shared.stats["path"] == "share", shared.stats.get("refused")
-    _same(shared, full)
+    _same(shared, full, dtype)
 
 
 @pytest.fixture(scope="module")
 def dense_runs(tmp_path_factory, tokenizer):
-    """Per family (built once): an engine, its dense generation and its dense per-step decode logits."""
-    runs: dict[str, tuple] = {}
+    """Per family and compute dtype (built once): an engine, its dense generation and its dense per-step
+    decode logits."""
+    runs: dict[tuple[str, str], tuple] = {}
 
-    def get(family: str):
-        if family not in runs:
+    def get(family: str, dtype: str):
+        if (family, dtype) not in runs:
             config = EngineConfig(
                 model=family,
                 home=tmp_path_factory.mktemp(family),
                 kv_dtype="float32",
                 block_size=4,
                 store=StoreConfig(disk=False),
+                compute_dtype=dtype,
             )
             engine = Engine(config, tiny_hf_model(family, len(tokenizer)), tokenizer, name=f"tiny-{family}")
             dense = _run(engine, prompt=PROMPT, reuse="none", store_prompt=False)
-            runs[family] = (engine, dense, _teacher_forced(engine, dense.token_ids, None))
-        return runs[family]
+            runs[family, dtype] = (engine, dense, _teacher_forced(engine, dense.token_ids, None))
+        return runs[family, dtype]
 
     return get
 
@@ -140,11 +161,11 @@ def _teacher_forced(engine, tokens: list[int], decoder: SparseDecoder | None) ->
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_sparse_at_full_budget_is_dense(family, policy, dense_runs):
+def test_sparse_at_full_budget_is_dense(family, dtype, policy, dense_runs):
     """A budget covering every block through the fast tier's gather path (``dense_when_covered=False``,
     so not the dense shortcut ``kv_budget=1.0`` takes in ``generate``): free-running tokens through the
     engine's decode, and teacher-forced per-step logits."""
-    engine, dense, dense_logits = dense_runs(family)
+    engine, dense, dense_logits = dense_runs(family, dtype)
     config = SparseConfig(kv_budget=1.0, window_tokens=6, dense_when_covered=False)
     decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
     request = GenerateRequest(
@@ -152,12 +173,12 @@ def test_sparse_at_full_budget_is_dense(family, policy, dense_runs):
     )
     seq = engine.fork(engine.prefill(request, capture_queries=True), sparse=decoder)
     engine.decode(seq)
-    _same(engine.finish(seq), dense)
+    _same(engine.finish(seq), dense, dtype)
     if policy != "dense":  # blocks were copied into the fast tier (the dense shortcut copies none)
         assert decoder.records[0].loaded_blocks > 0 and all(r.selected for r in decoder.records)
     decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
     torch.testing.assert_close(
-        _teacher_forced(engine, dense.token_ids, decoder), dense_logits, atol=ATOL, rtol=0
+        _teacher_forced(engine, dense.token_ids, decoder), dense_logits, atol=_atol(dtype), rtol=0
     )
     if policy != "dense":
         assert decoder.records and all(r.selected for r in decoder.records)

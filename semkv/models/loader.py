@@ -155,8 +155,13 @@ def _weights_digest(hf_model: nn.Module, samples_per_tensor: int = 4096) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(hf_model: nn.Module, tokenizer, kv_dtype: torch.dtype) -> str:
-    """Identity of (weights, config, tokenizer, KV dtype): entries of one fingerprint never serve another."""
+def model_fingerprint(
+    hf_model: nn.Module, tokenizer, kv_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32
+) -> str:
+    """Identity of (weights, config, tokenizer, KV dtype, compute dtype): entries of one fingerprint never
+    serve another. ``hf_model``: the checkpoint's weights as loaded (not a cast copy). The compute dtype
+    enters only when it is not float32, so fingerprints (stores, profiles) made before it existed, all
+    computed in fp32, stay valid."""
     config = hf_model.config.to_dict()
     for transient in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
         config.pop(transient, None)
@@ -166,6 +171,7 @@ def model_fingerprint(hf_model: nn.Module, tokenizer, kv_dtype: torch.dtype) -> 
         json.dumps(config, sort_keys=True, default=str),
         _tokenizer_digest(tokenizer),
         str(kv_dtype),
+        *([str(compute_dtype)] if compute_dtype != torch.float32 else []),
     ):
         h.update(part.encode())
         h.update(b"\x00")

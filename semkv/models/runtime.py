@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
 from semkv.models.cache import KVCache
+from semkv.models.kernels import attention, in_order
+from semkv.models.precision import cast_model
 
 
 class RecomputeSelector(Protocol):
@@ -90,194 +91,6 @@ class KeyGatherer(Protocol):
         ...
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scaling: float,
-    window: int | None = None,
-    causal_prefix: bool = False,
-) -> Tensor:
-    """Scaled dot-product attention with a mask from absolute positions.
-
-    q: [nh, Tq, d]; k, v: [kvh, Tk, d] (kvh divides nh); q_pos [Tq]; k_pos [Tk].
-    causal_prefix: the caller guarantees q and k are the same rows at positions
-    0..T-1 in order, so the fused causal kernel is exact.
-    Returns [Tq, nh * d].
-    """
-    gqa = q.shape[0] != k.shape[0]
-    # 4-D inputs (a batch of one): on CPU only these reach the fused flash kernel; 3-D inputs fall
-    # back to the math path, which materialises the whole score matrix (~5x slower at 1K tokens).
-    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if causal_prefix and (window is None or q.shape[1] <= window):
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif _splittable(q, k, q_pos, k_pos, window):
-        if _is_suffix(q_pos, k_pos):
-            return _suffix_attention(q, k, v, scaling)
-        return _split_attention(q, k, v, q_pos, k_pos, scaling)
-    else:
-        out = torch.cat(
-            [
-                _masked_attention(
-                    q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], q_pos[qs], k_pos[ks], scaling, window, gqa
-                )
-                for qs, ks in _query_groups(q_pos, k_pos, window)
-            ],
-            dim=2,
-        )
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
-
-
-QUERY_GROUP_ROWS = 128  # smallest query group worth its own kernel call
-QUERY_GROUPS = 8
-
-
-def _in_order(positions: Tensor) -> bool:
-    """Positions [T] never decrease."""
-    return not bool((positions[1:] < positions[:-1]).any())
-
-
-def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tuple[slice, slice]]:
-    """Split queries into position-ordered groups, each with the only key range it can see.
-
-    A masked kernel computes every (query, key) pair, masked or not; when queries and keys are
-    both in position order, group g only needs keys up to its last query's position (and, with a
-    window, from its first query's window start), so a long masked prefill costs about what a
-    causal one does. The result is the same attention: only fully masked keys are left out.
-    """
-    tq = q_pos.shape[0]
-    whole = [(slice(0, tq), slice(0, k_pos.shape[0]))]
-    if tq < 2 * QUERY_GROUP_ROWS or k_pos.shape[0] < 2 * QUERY_GROUP_ROWS:
-        return whole
-    if not (_in_order(q_pos) and _in_order(k_pos)):
-        return whole
-    groups = min(QUERY_GROUPS, tq // QUERY_GROUP_ROWS)
-    bounds = [round(i * tq / groups) for i in range(groups + 1)]
-    firsts = q_pos[bounds[:-1]]
-    lasts = q_pos[[b - 1 for b in bounds[1:]]]
-    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
-    if window is None:
-        los = [0] * groups
-    else:
-        los = torch.searchsorted(k_pos, firsts - window + 1).tolist()
-    return [(slice(bounds[i], bounds[i + 1]), slice(los[i], his[i])) for i in range(groups)]
-
-
-def _masked_attention(
-    q4: Tensor,
-    k4: Tensor,
-    v4: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scaling: float,
-    window: int | None,
-    gqa: bool,
-) -> Tensor:
-    """SDPA over [1, heads, T, d] inputs with the mask from positions; returns [1, nh, Tq, d]."""
-    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    if window is not None:
-        mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
-    if bool(mask.all()):
-        mask = None
-    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-
-
-SPLIT_QUERY_ROWS = 64  # queries per group of the split kernel (measured best at 4K keys: 44-64)
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _splittable(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, window: int | None) -> bool:
-    """The split kernel applies on CPU, without a window, to many queries and keys in position order."""
-    return (
-        _FLASH_CPU is not None
-        and q.device.type == "cpu"
-        and window is None
-        and q.shape[1] >= 2 * SPLIT_QUERY_ROWS
-        and q.shape[0] % k.shape[0] == 0
-        and _in_order(q_pos)
-        and _in_order(k_pos)
-    )
-
-
-def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float) -> Tensor:
-    """Attention of scattered queries in position order: per group of queries, the keys every
-    query of the group sees go through the unmasked kernel and only the band of keys between
-    the group's first and last position through a masked one; the two are merged by their
-    log-sum-exp. The masked kernel costs ~2x the unmasked one per (query, key) pair on CPU, and
-    this keeps masked pairs to ~1/groups of the work (selective recompute: ~1.3x faster).
-
-    q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d].
-    """
-    nh, tq, d = q.shape
-    groups = -(-tq // SPLIT_QUERY_ROWS)
-    bounds = [round(i * tq / groups) for i in range(groups + 1)]
-    firsts = q_pos[bounds[:-1]]
-    lasts = q_pos[[b - 1 for b in bounds[1:]]]
-    los = torch.searchsorted(k_pos, firsts).tolist()
-    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
-    out = q.new_empty(nh, tq, d)
-    for a, b, lo, hi in zip(bounds[:-1], bounds[1:], los, his, strict=True):
-        rows = q[:, a:b]
-        visible = k_pos[lo:hi].unsqueeze(0) <= q_pos[a:b].unsqueeze(1)  # [n, hi - lo]
-        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        band, band_lse = _folded_attention(rows, k[:, lo:hi], v[:, lo:hi], scaling, bias)
-        if lo > 0:
-            # A row that sees no key of the band comes back as output 0 with lse 0: give it lse -inf.
-            band_lse.masked_fill_(~visible.any(1), float("-inf"))
-            seen, seen_lse = _folded_attention(rows, k[:, :lo], v[:, :lo], scaling)
-            band = _merge(seen, seen_lse, band, band_lse)
-        out[:, a:b] = band[0]
-    return out.transpose(0, 1).reshape(tq, -1)
-
-
-def _folded_attention(
-    q: Tensor, k: Tensor, v: Tensor, scaling: float, bias: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The CPU flash kernel with query heads folded onto their KV head ([1, kvh, rep * n, d]), so each
-    key block is read once per KV head. q: [nh, n, d]; k, v: [kvh, S, d]; bias: [n, S] additive mask
-    or None. Returns out [1, nh, n, d] and its log-sum-exp [1, nh, n]."""
-    nh, n, d = q.shape
-    kvh = k.shape[0]
-    rep = nh // kvh
-    mask = None if bias is None else bias.repeat(rep, 1)
-    out, lse = _FLASH_CPU(
-        q.reshape(1, kvh, rep * n, d), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling
-    )[:2]
-    return out.reshape(1, nh, n, d), lse.reshape(1, nh, n)
-
-
-def _is_suffix(q_pos: Tensor, k_pos: Tensor) -> bool:
-    """The queries are the last keys, in order (a prefill after reused rows, e.g. prefix reuse)."""
-    tq = q_pos.shape[0]
-    return tq <= k_pos.shape[0] and bool((k_pos[-tq:] == q_pos).all())
-
-
-def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
-    """Queries that are the last Tq of the keys: the earlier keys through the unmasked kernel
-    and the square block through the causal one, merged
-    by log-sum-exp; no masked kernel at all. q: [nh, Tq, d]; k, v: [kvh, Tk, d] -> [Tq, nh * d]."""
-    nh, tq, d = q.shape
-    kvh, tk = k.shape[0], k.shape[1]
-    rep = nh // kvh
-    own_k = k[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
-    own_v = v[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
-    out, lse = _FLASH_CPU(q.unsqueeze(0), own_k, own_v, is_causal=True, scale=scaling)[:2]
-    if tk > tq:
-        seen, seen_lse = _folded_attention(q, k[:, : tk - tq], v[:, : tk - tq], scaling)
-        out = _merge(seen, seen_lse, out, lse)
-    return out[0].transpose(0, 1).reshape(tq, -1)
-
-
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Combine two attentions over disjoint key sets: out [1, h, n, d], lse [1, h, n] (-inf where a
-    row saw no key of that part, whose output then gets weight 0)."""
-    top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
-    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
-
-
 class RopeTables:
     """cos/sin [T, d] of fixed positions, computed once per rotary group of layers (not once per layer)."""
 
@@ -293,7 +106,13 @@ class RopeTables:
 
 
 class Runtime:
-    """Prefill and decode over one model through its family adapter (batch of one sequence)."""
+    """Prefill and decode over one model through its family adapter (batch of one sequence).
+
+    compute_dtype: the dtype matmuls and attention run in. If the adapter's model is in another dtype,
+    the runtime runs a private copy cast to it (:func:`~semkv.models.precision.cast_model`); the
+    adapter it was given, and its model, stay as they are. The residual stream, norms and RoPE run in
+    float32 either way; the live cache holds rotated keys and values in the compute dtype.
+    """
 
     def __init__(
         self,
@@ -301,6 +120,8 @@ class Runtime:
         kv_dtype: torch.dtype,
         compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if adapter.dtype != compute_dtype:
+            adapter = type(adapter)(cast_model(adapter.hf_model, compute_dtype), private=True)
         self.adapter = adapter
         self.kv_dtype = kv_dtype
         self.compute_dtype = compute_dtype
@@ -316,11 +137,16 @@ class Runtime:
             a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.kv_dtype, self.compute_dtype, self.device
         )
 
+    def _tables(self, positions: Tensor) -> RopeTables:
+        """Float32 rotary tables of ``positions``: RoPE is applied in fp32 and rounded once."""
+        return RopeTables(self.adapter, positions, torch.empty(0, device=self.device))
+
     def rope(self, k_pre: Tensor, positions: Tensor, layer: int) -> Tensor:
-        """Rotate pre-RoPE keys [heads, T, d] to ``positions`` [T] with ``layer``'s rotary table."""
-        k = k_pre.to(self.compute_dtype)
+        """Rotate pre-RoPE keys (or queries) [heads, T, d] to ``positions`` [T] with ``layer``'s rotary
+        table; computed in float32, returned in the compute dtype."""
+        k = k_pre.float()
         cos, sin = self.adapter.rotary(positions, layer, k)
-        return apply_rope(k, cos, sin)
+        return apply_rope(k, cos, sin).to(self.compute_dtype)
 
     # -- loading reused KV ----------------------------------------------------------------------
     def load_rows(
@@ -329,18 +155,30 @@ class Runtime:
         """Append rows holding reused KV, re-rotated to ``positions``.
 
         k_pre, v: [L, kvh, n, d] (any float dtype; rounded to the KV dtype); positions [n].
-        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation.
+        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation: the rows get the
+        bits a prefill under the same settings writes for the same pre-RoPE keys.
         Returns the first appended row.
         """
         start = cache.append_rows(positions.to(cache.device), token_ids)
         rows = slice(start, start + positions.shape[0])
-        tables = RopeTables(
-            self.adapter, positions.to(cache.device), torch.empty(0, dtype=self.compute_dtype)
-        )
+        tables = self._tables(positions.to(cache.device))
         for layer in range(self.num_layers):
             kp = k_pre[layer].to(self.kv_dtype)
-            cache.write(layer, rows, kp, apply_rope(kp.to(self.compute_dtype), *tables(layer)), v[layer])
+            cache.write(layer, rows, kp, apply_rope(kp.float(), *tables(layer)), v[layer])
         return start
+
+    def _write(
+        self, cache: KVCache, layer: int, rows: Tensor | slice, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """Write fresh pre-RoPE keys / values [kvh, n, d] into ``rows``: keys rounded to the KV dtype and
+        rotated from there, as :meth:`load_rows` does for reused ones. Returns the rounded keys."""
+        k_pre = k.to(self.kv_dtype)
+        cache.write(layer, rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
+        return k_pre
+
+    def _queries(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotated queries [nh, n, d] in the compute dtype (RoPE in fp32)."""
+        return apply_rope(q.float(), cos, sin).to(self.compute_dtype)
 
     # -- the layer loop ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -352,6 +190,7 @@ class Runtime:
         per layer, which rows keep being recomputed. The last row must stay selected.
         If the cache has a ``query_observer`` it is called at every layer with the rotated
         queries [nh, A, d] of the rows computed there and their positions [A] (SnapKV/H2O capture).
+        The selector compares keys and values in float32.
         """
         a = self.adapter
         count = cache.length - start
@@ -359,9 +198,9 @@ class Runtime:
             raise ValueError("forward_rows needs at least one row to compute")
         positions = cache.positions[start : cache.length]
         token_ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=self.device)
-        hidden = a.embed(token_ids).to(self.compute_dtype)
+        hidden = a.embed(token_ids).float()
         active = torch.arange(count, device=self.device)
-        tables = RopeTables(a, positions, hidden)
+        tables = self._tables(positions)
         fresh_prefix = (
             start == 0
             and selector is None
@@ -377,29 +216,25 @@ class Runtime:
             if active.numel() != count:
                 cos, sin = cos[active], sin[active]
             if observer is not None:
-                observer(layer, apply_rope(q, cos, sin), q_pos)
-            k_pre = k.to(self.kv_dtype)
-            k_rot = apply_rope(k_pre.to(self.compute_dtype), cos, sin)
+                observer(layer, self._queries(q, cos, sin), q_pos)
             if selector is None:
-                cache.write(layer, slice(start, cache.length), k_pre, k_rot, v)
+                self._write(cache, layer, slice(start, cache.length), k, v, cos, sin)
             else:
-                cached_k = cache.k_pre[layer][:, rows].to(self.compute_dtype)
-                cached_v = cache.v[layer][:, rows].clone()
-                cache.write(layer, rows, k_pre, k_rot, v)
+                cached_k = cache.k_pre[layer][:, rows].float()
+                cached_v = cache.v[layer][:, rows].float()
+                k_pre = self._write(cache, layer, rows, k, v, cos, sin)
                 inputs = LayerInputs(
-                    q,
+                    q.float(),
                     cos,
                     sin,
                     q_pos,
-                    cache.keys(layer),
+                    cache.keys(layer).float(),
                     cache.valid_positions(),
                     start,
                     a.scaling(layer),
                     a.window(layer),
                 )
-                keep = selector.select(
-                    layer, active, k_pre.to(self.compute_dtype), v, cached_k, cached_v, inputs
-                )
+                keep = selector.select(layer, active, k_pre.float(), v.float(), cached_k, cached_v, inputs)
                 if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
                     raise RuntimeError("a recompute selector must keep the last row")
                 if keep.numel() != active.numel():
@@ -423,7 +258,7 @@ class Runtime:
                 )
                 fresh_prefix = False
             out = attend(
-                apply_rope(q, cos, sin),
+                self._queries(q, cos, sin),
                 cache.keys(layer),
                 cache.values(layer),
                 q_pos,
@@ -454,26 +289,31 @@ class Runtime:
 
         Without a ``gatherer`` each layer attends to every row; with one (a sparse decoder), to the
         keys, values and positions it hands over.
+
+        The step is the layer loop over one row: ``qkv`` and ``finish_layer`` are row-wise (a batched
+        step would run them over the stacked rows of several sequences), attention is per sequence.
         """
         a = self.adapter
         position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
         row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
         pos = cache.positions[row : row + 1]
-        hidden = a.embed(torch.tensor([token_id], device=self.device)).to(self.compute_dtype)
-        tables = RopeTables(a, pos, hidden)
+        rows = slice(row, row + 1)
+        hidden = a.embed(torch.tensor([token_id], device=self.device)).float()
+        tables = self._tables(pos)
+        k_pos = cache.valid_positions()
+        ordered = in_order(k_pos)  # once per step, not per layer
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)
             cos, sin = tables(layer)
-            k_pre = k.to(self.kv_dtype)
-            cache.write(
-                layer, slice(row, row + 1), k_pre, apply_rope(k_pre.to(self.compute_dtype), cos, sin), v
-            )
-            q_rot = apply_rope(q, cos, sin)
-            keys, values, k_pos = cache.keys(layer), cache.values(layer), cache.valid_positions()
+            self._write(cache, layer, rows, k, v, cos, sin)
+            q_rot = self._queries(q, cos, sin)
+            keys, values, positions, known = cache.keys(layer), cache.values(layer), k_pos, ordered
             if gatherer is not None:
                 picked = gatherer.gather(layer, q_rot, cache)
                 if picked is not None:
-                    keys, values, k_pos = picked
-            out = attention(q_rot, keys, values, pos, k_pos, a.scaling(layer), a.window(layer))
+                    (keys, values, positions), known = picked, None
+            out = attention(
+                q_rot, keys, values, pos, positions, a.scaling(layer), a.window(layer), ordered=known
+            )
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)[0]

@@ -162,7 +162,9 @@ class SparseDecoder:
     # -- the runtime hook -------------------------------------------------------------------------
     def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
         """Keys [kvh, R, d], values [kvh, R, d] and positions [R] this layer attends to (the new
-        row included), or None for every row. Rows hidden this step carry a far-future position."""
+        row included), or None for every row. Rows hidden this step carry a far-future position.
+        Policies see the query and keys in float32, whatever the compute dtype."""
+        q_rot = q_rot.float()
         if layer == 0:
             self._start_step(cache)
         if self.config.record_queries:
@@ -210,7 +212,7 @@ class SparseDecoder:
             )
             visible = k_pos != HIDDEN
             self.policy.observe(
-                self._view(cache, layer, q_rot), selected, keys[:, visible], region_rows[visible]
+                self._view(cache, layer, q_rot), selected, keys[:, visible].float(), region_rows[visible]
             )
             record.select_s += time.perf_counter() - start
         return keys, values, k_pos

@@ -35,7 +35,7 @@ class H2OPolicy(SparsePolicy):
         bs = view.index.block_size
         self._acc = []
         for layer in range(view.cache.num_layers):
-            keys = view.cache.keys(layer)[:, : nb * bs]  # [kvh, T, d]
+            keys = view.cache.keys(layer)[:, : nb * bs].float()  # [kvh, T, d]
             kvh, d = keys.shape[0], keys.shape[-1]
             q = view.prefill.q[layer]  # [nh, n, d]
             positions = view.prefill.positions[layer]  # [n]

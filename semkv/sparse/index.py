@@ -204,7 +204,7 @@ class BlockIndex:
 class PrefillQueries:
     """Rotated queries of some prompt tokens, per layer, as the runtime computed them.
 
-    q: layer -> [nh, n_l, d] rotated queries (after every norm the family applies, e.g. Gemma 3's
+    q: layer -> [nh, n_l, d] float32 rotated queries (after every norm the family applies, e.g. Gemma 3's
     q_norm); positions: layer -> [n_l] their absolute positions (ascending). Full and prefix prefill
     capture the same rows at every layer; a selective recompute (blend, share) computes fewer rows
     at later layers, so a layer holds the captured rows it computed. window: how many of them (the
@@ -244,7 +244,7 @@ def capture_prefill_queries(cache: KVCache, window: int = 32, stride: int = 64) 
 
     def record(layer: int, q_rot: Tensor, positions: Tensor) -> None:
         offsets = captured_offsets(positions.shape[0], window, stride)
-        result.q[layer] = q_rot[:, offsets].detach().clone()
+        result.q[layer] = q_rot[:, offsets].float()  # a copy, in float32 whatever the compute dtype
         result.positions[layer] = positions[offsets].clone()
 
     previous = cache.query_observer

@@ -29,8 +29,9 @@ def block_attention_mass(q_rot: Tensor, keys: Tensor, block_size: int, num_block
 
     q_rot: [nh, n, d] (n queries: masses are averaged over them too); keys: [kvh, T, d] rows
     0..T-1 in block order, T >= num_blocks * block_size (rows past the blocks count in the
-    softmax but not in the result). All keys are assumed visible to the queries.
+    softmax but not in the result). All keys are assumed visible to the queries. Computed in float32.
     """
+    q_rot, keys = q_rot.float(), keys.float()
     kvh, d = keys.shape[0], keys.shape[-1]
     group = q_rot.shape[0] // kvh
     q = q_rot.reshape(kvh, group * q_rot.shape[1], d)

@@ -55,7 +55,8 @@ def layer_rows(summary: Tensor, layers: tuple[int, ...]) -> Tensor:
 
 def mean_key_scores(q: Tensor, means: Tensor, head_agg: str) -> Tensor:
     """q: [L', nh, d] queries; means: [L', kvh, C, d] block mean rotated keys -> [L', C] per-layer scores
-    (softmax over blocks of the mean logits, per head, heads aggregated)."""
+    (softmax over blocks of the mean logits, per head, heads aggregated). Computed in float32."""
+    q, means = q.float(), means.float()
     num_layers, kvh, d = means.shape[0], means.shape[1], means.shape[-1]
     logits = q.reshape(num_layers, kvh, -1, d) @ means.transpose(-1, -2)  # [L', kvh, g, C]
     probs = torch.softmax(logits.flatten(1, 2) / math.sqrt(d), dim=-1)  # [L', nh, C]
@@ -65,7 +66,8 @@ def mean_key_scores(q: Tensor, means: Tensor, head_agg: str) -> Tensor:
 def window_block_scores(q: Tensor, keys: Tensor, block_size: int, num_blocks: int, head_agg: str) -> Tensor:
     """Exact attention of window queries over the prompt, per block: q [nh, n, d] (rotated, the prompt's
     last n tokens), keys [kvh, T, d] (rows in position order, T >= num_blocks * block_size; the queries
-    are the last n of them) -> [num_blocks], heads aggregated, mean over the queries."""
+    are the last n of them) -> [num_blocks], heads aggregated, mean over the queries. Computed in float32."""
+    q, keys = q.float(), keys.float()
     kvh, total, d = keys.shape
     nh, n, _ = q.shape
     logits = q.reshape(kvh, -1, n, d) @ keys.transpose(1, 2).unsqueeze(1) / math.sqrt(d)  # [kvh, g, n, T]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from semkv.models.runtime import SPLIT_QUERY_ROWS, attention
+from semkv.models.kernels import GEMM_QUERY_ROWS, SPLIT_QUERY_ROWS, attention, gemm_attention
 
 
 def reference(q, k, v, q_pos, k_pos, scaling, window=None):
@@ -95,15 +95,49 @@ def test_suffix_queries_match_reference(reused):
 def test_generic_path_without_the_cpu_kernel(num_queries, monkeypatch):
     """On a device without the CPU flash kernel (GPU, or a torch build lacking it) attention takes the
     generic SDPA path: same result on scattered and suffix queries."""
-    import semkv.models.runtime as runtime
+    import semkv.models.kernels as kernels
 
     q, k, v, q_pos, k_pos = _case(3, 700, num_queries)
     scaling = 1 / math.sqrt(16)
     fused = attention(q, k, v, q_pos, k_pos, scaling)
     tail = torch.arange(700 - num_queries, 700)
     fused_suffix = attention(q, k, v, tail, k_pos, scaling)
-    monkeypatch.setattr(runtime, "_FLASH_CPU", None)
-    assert not runtime._splittable(q, k, q_pos, k_pos, None)
+    monkeypatch.setattr(kernels, "_FLASH_CPU", None)
+    assert not kernels._splittable(q, k, q_pos, k_pos, None)
     torch.testing.assert_close(attention(q, k, v, q_pos, k_pos, scaling), fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(attention(q, k, v, tail, k_pos, scaling), fused_suffix, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused, reference(q, k, v, q_pos, k_pos, scaling), atol=1e-5, rtol=1e-5)
+
+
+GEMM_CASES = {
+    # name: (keys, queries, window, shuffle keys, queries at the end (suffix / decode))
+    "scattered": (900, 5 * GEMM_QUERY_ROWS + 7, None, False, False),
+    "scattered-window": (900, 3 * GEMM_QUERY_ROWS, 50, False, False),
+    "unsorted-window": (600, 2 * GEMM_QUERY_ROWS, 70, True, False),
+    "causal-prefix": (3 * GEMM_QUERY_ROWS + 5, 3 * GEMM_QUERY_ROWS + 5, None, False, True),
+    "suffix-window": (700, 2 * GEMM_QUERY_ROWS, 90, False, True),
+    "decode": (800, 1, None, False, True),
+    "decode-window": (800, 1, 64, False, True),
+    "decode-unsorted": (800, 1, 64, True, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_CASES))
+def test_gemm_kernel_matches_reference(name):
+    """The reduced-precision kernel (blocked matmuls, masks only on the band / window edge columns): exact
+    in fp32 inputs, and within bf16 rounding through ``attention`` with bf16 inputs."""
+    num_keys, num_queries, window, shuffle, at_end = GEMM_CASES[name]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, q_pos, k_pos = _case(5, num_keys, max(num_queries, 2))
+    q = q[:, :num_queries]
+    if at_end:
+        q_pos = k_pos[num_keys - num_queries :]
+    if shuffle:
+        order = torch.randperm(num_keys, generator=gen)
+        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    expected = reference(q, k, v, q_pos, k_pos, 0.25, window)
+    got = gemm_attention(q, k, v, q_pos, k_pos, 0.25, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    low = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, k_pos, 0.25, window)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), expected, atol=3e-2, rtol=0)

@@ -129,7 +129,11 @@ def test_gemma3_blend_at_full_ratio_equals_full_prefill_beyond_the_window(gemma3
     every row recomputed give the full-prefill logits and tokens (KV fp32)."""
     base = gemma3_engine
     config = EngineConfig(
-        model="gemma3-270m", home=tmp_path, kv_dtype="float32", store=StoreConfig(disk=False)
+        model="gemma3-270m",
+        home=tmp_path,
+        kv_dtype="float32",
+        store=StoreConfig(disk=False),
+        compute_dtype="float32",
     )
     engine = Engine(config, base.hf_model, base.tokenizer, name="gemma3-270m")
     tok = engine.tokenizer

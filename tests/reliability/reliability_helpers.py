@@ -39,7 +39,12 @@ def engine_at(
     """An engine over a tiny model whose disk store lives in ``home`` (shared by every engine given it)."""
     model = hf_model if hf_model is not None else tiny_hf_model(family, len(tokenizer), seed=seed)
     config = EngineConfig(
-        model=family, home=home, kv_dtype=kv_dtype, block_size=block_size, store=StoreConfig(**store)
+        model=family,
+        home=home,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        store=StoreConfig(**store),
+        compute_dtype="float32",
     )
     return Engine(config, model, tokenizer, name=f"tiny-{family}")
 

@@ -178,7 +178,12 @@ def test_foreign_chunks_are_misses(tmp_path, tokenizer):
 
     def engine(seed: int, kv_dtype: str) -> Engine:
         config = EngineConfig(
-            model="llama", home=tmp_path, kv_dtype=kv_dtype, block_size=4, store=StoreConfig()
+            model="llama",
+            home=tmp_path,
+            kv_dtype=kv_dtype,
+            block_size=4,
+            store=StoreConfig(),
+            compute_dtype="float32",
         )
         model = tiny_hf_model("llama", len(tokenizer), seed=seed, num_hidden_layers=4)
         return Engine(config, model, tokenizer, name=f"tiny-{seed}-{kv_dtype}")

@@ -316,7 +316,13 @@ def _engine_at(engine, home):
     from semkv.config import EngineConfig
     from semkv.engine import Engine
 
-    config = EngineConfig(model="llama", home=home, kv_dtype="float32", block_size=engine.config.block_size)
+    config = EngineConfig(
+        model="llama",
+        home=home,
+        kv_dtype="float32",
+        block_size=engine.config.block_size,
+        compute_dtype="float32",
+    )
     return Engine(config, engine.hf_model, engine.tokenizer, name="tiny-llama")
 
 

@@ -34,7 +34,9 @@ def module_client_factory(tmp_path_factory, tokenizer, tiny_model_factory):
 
     def make(config: ServerConfig | None = None) -> TestClient:
         home = tmp_path_factory.mktemp("module-home")
-        engine_config = EngineConfig(model="llama", home=home, kv_dtype="float32", block_size=4)
+        engine_config = EngineConfig(
+            model="llama", home=home, kv_dtype="float32", block_size=4, compute_dtype="float32"
+        )
         engine = Engine(engine_config, tiny_model_factory("llama", len(tokenizer)), tokenizer, name=TINY)
         c = TestClient(create_app(engine, config or ServerConfig()), raise_server_exceptions=False)
         c.__enter__()

@@ -1,0 +1,337 @@
+"""Attention kernels with masks from absolute positions.
+
+A query at position ``q`` sees a key at position ``p`` iff ``p <= q`` and, on sliding-window layers,
+``q - p < window``. Masks are always built from positions, never from row order, so rows need not be
+in position order and a scattered subset of queries never sees later keys.
+
+Two families of kernels, chosen by the compute dtype:
+
+* float32 (and any dtype off CPU): torch's fused kernels: the causal flash kernel for a fresh prefix,
+  the split kernel (unmasked + band, merged by log-sum-exp) for scattered queries in position order,
+  masked SDPA per query group otherwise;
+* bfloat16 / float16 on CPU: :func:`gemm_attention`, batched matmuls over groups of queries. torch's
+  CPU flash kernel gains nothing from bf16 (it computes in fp32: ~35 ms per layer at 2K tokens either
+  way) and its single-query path is ~10x slower in bf16 than in fp32; bf16 matmuls run 3-4x faster
+  than fp32 ones on CPUs with AVX512-BF16, so blocked matmul attention is ~2.3x faster at 2K and the
+  decode step's attention ~9x faster.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None = None,
+    causal_prefix: bool = False,
+    ordered: bool | None = None,
+) -> Tensor:
+    """Scaled dot-product attention with a mask from absolute positions.
+
+    q: [nh, Tq, d]; k, v: [kvh, Tk, d] (kvh divides nh); q_pos [Tq]; k_pos [Tk].
+    causal_prefix: the caller guarantees q and k are the same rows at positions
+    0..T-1 in order, so the fused causal kernel is exact.
+    ordered: queries and keys are known to be in position order (True) or not (False); None: check.
+    Returns [Tq, nh * d] in q's dtype. bf16 / fp16 on CPU go to :func:`gemm_attention`.
+    """
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return gemm_attention(q, k, v, q_pos, k_pos, scaling, window, True if causal_prefix else ordered)
+    gqa = q.shape[0] != k.shape[0]
+    # 4-D inputs (a batch of one): on CPU only these reach the fused flash kernel; 3-D inputs fall
+    # back to the math path, which materialises the whole score matrix (~5x slower at 1K tokens).
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if causal_prefix and (window is None or q.shape[1] <= window):
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif _splittable(q, k, q_pos, k_pos, window):
+        if _is_suffix(q_pos, k_pos):
+            return _suffix_attention(q, k, v, scaling)
+        return _split_attention(q, k, v, q_pos, k_pos, scaling)
+    else:
+        out = torch.cat(
+            [
+                _masked_attention(
+                    q4[:, :, qs], k4[:, :, ks], v4[:, :, ks], q_pos[qs], k_pos[ks], scaling, window, gqa
+                )
+                for qs, ks in _query_groups(q_pos, k_pos, window)
+            ],
+            dim=2,
+        )
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+QUERY_GROUP_ROWS = 128  # smallest query group worth its own kernel call
+QUERY_GROUPS = 8
+
+
+def in_order(positions: Tensor) -> bool:
+    """Positions [T] never decrease."""
+    return not bool((positions[1:] < positions[:-1]).any())
+
+
+def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tuple[slice, slice]]:
+    """Split queries into position-ordered groups, each with the only key range it can see.
+
+    A masked kernel computes every (query, key) pair, masked or not; when queries and keys are
+    both in position order, group g only needs keys up to its last query's position (and, with a
+    window, from its first query's window start), so a long masked prefill costs about what a
+    causal one does. The result is the same attention: only fully masked keys are left out.
+    """
+    tq = q_pos.shape[0]
+    whole = [(slice(0, tq), slice(0, k_pos.shape[0]))]
+    if tq < 2 * QUERY_GROUP_ROWS or k_pos.shape[0] < 2 * QUERY_GROUP_ROWS:
+        return whole
+    if not (in_order(q_pos) and in_order(k_pos)):
+        return whole
+    groups = min(QUERY_GROUPS, tq // QUERY_GROUP_ROWS)
+    bounds = [round(i * tq / groups) for i in range(groups + 1)]
+    firsts = q_pos[bounds[:-1]]
+    lasts = q_pos[[b - 1 for b in bounds[1:]]]
+    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
+    if window is None:
+        los = [0] * groups
+    else:
+        los = torch.searchsorted(k_pos, firsts - window + 1).tolist()
+    return [(slice(bounds[i], bounds[i + 1]), slice(los[i], his[i])) for i in range(groups)]
+
+
+def _masked_attention(
+    q4: Tensor,
+    k4: Tensor,
+    v4: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None,
+    gqa: bool,
+) -> Tensor:
+    """SDPA over [1, heads, T, d] inputs with the mask from positions; returns [1, nh, Tq, d]."""
+    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+    if bool(mask.all()):
+        mask = None
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+SPLIT_QUERY_ROWS = 64  # queries per group of the split kernel (measured best at 4K keys: 44-64)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _splittable(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, window: int | None) -> bool:
+    """The split kernel applies on CPU, without a window, to many queries and keys in position order."""
+    return (
+        _FLASH_CPU is not None
+        and q.device.type == "cpu"
+        and window is None
+        and q.shape[1] >= 2 * SPLIT_QUERY_ROWS
+        and q.shape[0] % k.shape[0] == 0
+        and in_order(q_pos)
+        and in_order(k_pos)
+    )
+
+
+def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float) -> Tensor:
+    """Attention of scattered queries in position order: per group of queries, the keys every
+    query of the group sees go through the unmasked kernel and only the band of keys between
+    the group's first and last position through a masked one; the two are merged by their
+    log-sum-exp. The masked kernel costs ~2x the unmasked one per (query, key) pair on CPU, and
+    this keeps masked pairs to ~1/groups of the work (selective recompute: ~1.3x faster).
+
+    q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d].
+    """
+    nh, tq, d = q.shape
+    groups = -(-tq // SPLIT_QUERY_ROWS)
+    bounds = [round(i * tq / groups) for i in range(groups + 1)]
+    firsts = q_pos[bounds[:-1]]
+    lasts = q_pos[[b - 1 for b in bounds[1:]]]
+    los = torch.searchsorted(k_pos, firsts).tolist()
+    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
+    out = q.new_empty(nh, tq, d)
+    for a, b, lo, hi in zip(bounds[:-1], bounds[1:], los, his, strict=True):
+        rows = q[:, a:b]
+        visible = k_pos[lo:hi].unsqueeze(0) <= q_pos[a:b].unsqueeze(1)  # [n, hi - lo]
+        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        band, band_lse = _folded_attention(rows, k[:, lo:hi], v[:, lo:hi], scaling, bias)
+        if lo > 0:
+            # A row that sees no key of the band comes back as output 0 with lse 0: give it lse -inf.
+            band_lse.masked_fill_(~visible.any(1), float("-inf"))
+            seen, seen_lse = _folded_attention(rows, k[:, :lo], v[:, :lo], scaling)
+            band = _merge(seen, seen_lse, band, band_lse)
+        out[:, a:b] = band[0]
+    return out.transpose(0, 1).reshape(tq, -1)
+
+
+def _folded_attention(
+    q: Tensor, k: Tensor, v: Tensor, scaling: float, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The CPU flash kernel with query heads folded onto their KV head ([1, kvh, rep * n, d]), so each
+    key block is read once per KV head. q: [nh, n, d]; k, v: [kvh, S, d]; bias: [n, S] additive mask
+    or None. Returns out [1, nh, n, d] and its log-sum-exp [1, nh, n]."""
+    nh, n, d = q.shape
+    kvh = k.shape[0]
+    rep = nh // kvh
+    mask = None if bias is None else bias.repeat(rep, 1)
+    out, lse = _FLASH_CPU(
+        q.reshape(1, kvh, rep * n, d), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling
+    )[:2]
+    return out.reshape(1, nh, n, d), lse.reshape(1, nh, n)
+
+
+def _is_suffix(q_pos: Tensor, k_pos: Tensor) -> bool:
+    """The queries are the last keys, in order (a prefill after reused rows, e.g. prefix reuse)."""
+    tq = q_pos.shape[0]
+    return tq <= k_pos.shape[0] and bool((k_pos[-tq:] == q_pos).all())
+
+
+def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
+    """Queries that are the last Tq of the keys: the earlier keys through the unmasked kernel
+    and the square block through the causal one, merged
+    by log-sum-exp; no masked kernel at all. q: [nh, Tq, d]; k, v: [kvh, Tk, d] -> [Tq, nh * d]."""
+    nh, tq, d = q.shape
+    kvh, tk = k.shape[0], k.shape[1]
+    rep = nh // kvh
+    own_k = k[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
+    own_v = v[:, tk - tq :].repeat_interleave(rep, 0).unsqueeze(0)
+    out, lse = _FLASH_CPU(q.unsqueeze(0), own_k, own_v, is_causal=True, scale=scaling)[:2]
+    if tk > tq:
+        seen, seen_lse = _folded_attention(q, k[:, : tk - tq], v[:, : tk - tq], scaling)
+        out = _merge(seen, seen_lse, out, lse)
+    return out[0].transpose(0, 1).reshape(tq, -1)
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Combine two attentions over disjoint key sets: out [1, h, n, d], lse [1, h, n] (-inf where a
+    row saw no key of that part, whose output then gets weight 0)."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
+    return (out_a * w_a + out_b * w_b) / (w_a + w_b)
+
+
+GEMM_QUERY_ROWS = (
+    64  # queries per group of the matmul kernel (measured best at 2K keys: 64; 128: 1.25x slower)
+)
+
+
+def gemm_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None = None,
+    ordered: bool | None = None,
+) -> Tensor:
+    """Attention as batched matmuls over groups of queries, for reduced-precision compute on CPU.
+
+    Per group of :data:`GEMM_QUERY_ROWS` queries: scores = q @ k^T over the keys the group can see (a
+    position range when queries and keys are in position order, else every key), a mask from positions
+    added only on the columns some query of the group must not see (the causal band, the window's far
+    edge), softmax (accumulated in fp32 by torch's CPU kernel, probabilities rounded to the compute
+    dtype as in flash kernels), then probabilities @ v. The query heads of one KV head are folded into
+    the rows of one matmul, so each key block is read once per KV head; one 2-D matmul per KV head
+    (torch's CPU bf16 batched matmul copies strided operands, such as a key range of a cache buffer,
+    first: ~18% slower per layer at 2K and 8K tokens).
+
+    q: [nh, Tq, d]; k, v: [kvh, Tk, d]; q_pos [Tq]; k_pos [Tk]; ordered: queries and keys are known to
+    be in position order (None: check). Returns [Tq, nh * d].
+    """
+    nh, tq, d = q.shape
+    kvh = k.shape[0]
+    rep = nh // kvh
+    if ordered is None:
+        ordered = in_order(q_pos) and in_order(k_pos)
+    q = q * scaling
+    if tq == 1:
+        return _gemm_decode(q, k, v, q_pos, k_pos, window, ordered)
+    starts = list(range(0, tq, GEMM_QUERY_ROWS))
+    ends = [*starts[1:], tq]
+    pieces = _gemm_pieces(q_pos, k_pos, window, ordered, starts, ends)
+    # [kvh, Tq, rep, d]: a group's queries of one KV head are one contiguous [n * rep, d] matrix
+    rows = q.view(kvh, rep, tq, d).transpose(1, 2).contiguous()
+    out = q.new_empty(kvh, tq, rep, d)
+    for a, b, (lo, hi, masked) in zip(starts, ends, pieces, strict=True):
+        n = b - a
+        biases = [
+            (c0 - lo, c1 - lo, _position_bias(q_pos[a:b], k_pos[c0:c1], window, q.dtype)) for c0, c1 in masked
+        ]
+        for h in range(kvh):
+            scores = torch.mm(rows[h, a:b].view(n * rep, d), k[h, lo:hi].t())  # [n * rep, hi - lo]
+            grid = scores.view(n, rep, hi - lo)
+            for c0, c1, bias in biases:
+                grid[..., c0:c1] += bias.unsqueeze(1)
+            probs = torch.softmax(scores, dim=-1)
+            out[h, a:b] = torch.mm(probs, v[h, lo:hi]).view(n, rep, d)
+    return out.transpose(0, 1).reshape(tq, nh * d)
+
+
+def _gemm_pieces(
+    q_pos: Tensor, k_pos: Tensor, window: int | None, ordered: bool, starts: list[int], ends: list[int]
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Per query group: (lo, hi, masked column ranges) of the keys it attends over.
+
+    In position order, keys before ``lo`` are out of every query's window and keys from ``hi`` on are
+    later than every query; inside, only columns after the group's first query (causal band) and
+    before its last query's window start need a mask. Unordered: every key, every column masked.
+    """
+    tk = k_pos.shape[0]
+    if not ordered:
+        return [(0, tk, [(0, tk)]) for _ in starts]
+    firsts, lasts = q_pos[starts], q_pos[[e - 1 for e in ends]]
+    his = torch.searchsorted(k_pos, lasts, right=True).tolist()
+    seen_by_all = torch.searchsorted(k_pos, firsts, right=True).tolist()  # keys <= every query's position
+    if window is None:
+        los, inside = [0] * len(starts), [0] * len(starts)
+    else:
+        los = torch.searchsorted(k_pos, firsts - window + 1).tolist()
+        inside = torch.searchsorted(k_pos, lasts - window + 1).tolist()  # in every query's window from here
+    pieces = []
+    for lo, hi, full, win in zip(los, his, seen_by_all, inside, strict=True):
+        m0 = min(max(win, lo), hi)
+        m1 = min(max(full, m0), hi)
+        pieces.append((lo, hi, [(c0, c1) for c0, c1 in ((lo, m0), (m1, hi)) if c1 > c0]))
+    return pieces
+
+
+def _position_bias(q_pos: Tensor, k_pos: Tensor, window: int | None, dtype: torch.dtype) -> Tensor:
+    """Additive mask [n, m]: 0 where query i sees key j, -inf elsewhere."""
+    hidden = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)
+    if window is not None:
+        hidden |= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) >= window
+    return torch.zeros(hidden.shape, dtype=dtype, device=q_pos.device).masked_fill_(hidden, float("-inf"))
+
+
+def _gemm_decode(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, window: int | None, ordered: bool
+) -> Tensor:
+    """One (already scaled) query [nh, 1, d] over keys [kvh, Tk, d] -> [1, nh * d].
+
+    Scores are formed as k @ q^T over the cache's key range as it is. Copying the key and value ranges
+    contiguous first is ~10% faster per layer at 2K keys (91 vs 101 us) but 8x slower at 8K (2.0 vs
+    0.26 ms; likely the fresh multi-MB buffer per layer and step).
+    """
+    nh, _, d = q.shape
+    kvh = k.shape[0]
+    lo, hi = 0, k.shape[1]
+    if ordered:
+        hi = int(torch.searchsorted(k_pos, q_pos, right=True))
+        if window is not None:
+            lo = int(torch.searchsorted(k_pos, q_pos - window + 1))
+        bias = None
+    else:
+        bias = _position_bias(q_pos, k_pos, window, q.dtype)
+        if not bool(torch.isinf(bias).any()):
+            bias = None
+    scores = torch.bmm(k[:, lo:hi], q.view(kvh, nh // kvh, d).transpose(1, 2)).transpose(1, 2)
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v[:, lo:hi]).view(1, nh * d)
