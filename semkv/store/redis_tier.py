@@ -550,6 +550,10 @@ class RedisTier:
         data = self.call(lambda c: c.get(name), None, key=name)
         return None if data is None else bytes(data)
 
+    def delete_record(self, kind: str, ident: str) -> None:
+        name = self.record_key(kind, ident)
+        self.call(lambda c: c.delete(name), 0, key=name)
+
     # -- Tier ----------------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> KVEntry | None:
         name = self.redis_key(key)

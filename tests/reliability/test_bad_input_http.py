@@ -66,7 +66,8 @@ MUTATIONS = 150
 def served(tmp_path, tokenizer):
     engine = engine_at(tmp_path / "home", tokenizer, tiny_hf_model("llama", len(tokenizer)))
     engine.name = MODEL
-    with TestClient(create_app(engine, ServerConfig()), raise_server_exceptions=False) as client:
+    config = ServerConfig(debug_stats=True)  # the check below reads reused_tokens
+    with TestClient(create_app(engine, config), raise_server_exceptions=False) as client:
         doc = client.post("/v1/documents", json={"input": DOC})
         assert doc.status_code == 200, doc.text
         doc_id = doc.json()["data"][0]["id"]
