@@ -38,11 +38,24 @@ def _secret_from_env() -> str | None:
     return os.environ.get(STORE_SECRET_ENV) or None
 
 
+def private_mkdir(path: Path) -> Path:
+    """Create ``path`` and every missing parent with mode 0700 (``Path.mkdir(parents=True)`` gives the
+    parents the default mode); existing folders are left as they are."""
+    path = Path(path)
+    missing = []
+    for folder in [path, *path.parents]:
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
 def make_private_dir(path: Path) -> Path:
     """Create ``path`` (and missing parents) readable by this user only (0700); warn when an existing
     folder is open to others (it is left as it is: it may be shared on purpose)."""
-    path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = private_mkdir(Path(path))
     try:
         mode = path.stat().st_mode & 0o777
     except OSError:

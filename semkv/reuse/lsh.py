@@ -36,7 +36,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from semkv.config import private_mkdir
 from semkv.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,8 @@ class PromptIndex:
     record; a damaged or torn line is skipped (a torn line never swallows the record after it:
     appends start on a fresh line, and a record glued to a torn one is salvaged). A journal or
     snapshot write that fails (a full disk) is logged and counted in :attr:`write_errors`; the
-    index keeps working in memory.
+    index keeps working in memory, and the records not journaled are appended with the next
+    record that can be (at most ``MAX_UNWRITTEN`` are kept).
 
     **Several processes** may share one folder: every append and compaction holds an exclusive
     ``fcntl`` lock on ``.lock``, and before appending or compacting a process first reads the
@@ -261,6 +263,7 @@ class PromptIndex:
     JOURNAL = "journal.jsonl"
     LOCK = ".lock"
     TMP_PREFIX = ".tmp-"
+    MAX_UNWRITTEN = 1024  # records kept in memory to retry while journal writes fail
 
     def __init__(
         self,
@@ -274,6 +277,7 @@ class PromptIndex:
         self.sync_interval_s = sync_interval_s
         self.write_errors = 0  # journal / snapshot writes that failed (the index went on in memory)
         self.damaged_records = 0  # journal lines and snapshots skipped as damaged when read
+        self._unwritten: list[bytes] = []  # journal lines whose append failed (retried with the next)
         self._config_tag = hashlib.sha256(
             json.dumps(asdict(self.config), sort_keys=True).encode()
         ).hexdigest()[:16]
@@ -355,17 +359,16 @@ class PromptIndex:
         sig = self.signature(token_ids) if signature is None else np.asarray(signature, dtype=np.uint32)
         if sig.shape != (self.config.num_hashes,):
             raise ValueError(f"signature of shape {sig.shape}; expected ({self.config.num_hashes},)")
-        with self._thread_lock:
+
+        def insert() -> bool:
             self._insert(key, sig, len(token_ids))
-            self._journal({"op": "add", "key": key, "n": len(token_ids), "sig": sig.tobytes().hex()})
+            return True
+
+        self._mutate(insert, {"op": "add", "key": key, "n": len(token_ids), "sig": sig.tobytes().hex()})
 
     def remove(self, key: str) -> bool:
         """Forget a prompt (e.g. its KV left the store). Returns whether it was indexed."""
-        with self._thread_lock:
-            removed = self._delete(key)
-            if removed:
-                self._journal({"op": "del", "key": key})
-            return removed
+        return self._mutate(lambda: self._delete(key), {"op": "del", "key": key})
 
     def query(
         self, signature: np.ndarray, top: int = 1, min_similarity: float = 0.0, exclude: Sequence[str] = ()
@@ -431,7 +434,7 @@ class PromptIndex:
     def _open(self) -> None:
         assert self.folder is not None
         try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_mkdir(self.folder)
             self._lock_fd = os.open(self.folder / self.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             log.warning(
@@ -564,11 +567,11 @@ class PromptIndex:
 
     def _catch_up(self) -> None:
         """Read what other processes wrote since this one last looked (call with the file lock held)."""
-        newest = self._generation
-        while self._snapshot_path(newest + 1).exists() or self._journal_path(newest + 1).exists():
-            newest += 1
+        newest = max(self._generations())  # listed, not probed: g+1 may be gone after several compactions
         if newest != self._generation:
             self._load()  # another process compacted: reload from its snapshot
+            for line in self._unwritten:  # and keep this process's records not on disk yet
+                self._apply_record(line)
         else:
             self._read_journal(self._generation)
         self._last_sync = time.monotonic()
@@ -589,23 +592,48 @@ class PromptIndex:
                 log.warning("cannot read the share index at %s: %s", self.folder, exc)
 
     # -- writing -----------------------------------------------------------------------------------
+    def _mutate(self, apply: Callable[[], bool], record: dict) -> bool:
+        """Apply a change in memory and journal it (when ``apply`` changed something).
+
+        Persistent: under the exclusive lock, first read what other processes appended (a reload, if
+        one compacted), then apply, then append — so memory never loses the change to a reload, and
+        the journal's order is the order the changes were made in.
+        """
+        with self._thread_lock:
+            if self.folder is None:
+                return apply()
+            with self._locked(exclusive=True):
+                try:
+                    self._catch_up()
+                except OSError as exc:
+                    log.warning("cannot read the share index at %s: %s", self.folder, exc)
+                changed = apply()
+                if changed:
+                    self._journal(record)
+                return changed
+
     def _journal(self, record: dict) -> None:
-        if self.folder is None:
-            return
+        """Append ``record`` (the caller holds the exclusive lock and caught up); compact when due."""
         record = {**record, "cfg": self._config_tag}
         body = json.dumps(record, sort_keys=True)
         line = (json.dumps({"crc": zlib.crc32(body.encode()), "r": body}) + "\n").encode()
-        with self._locked(exclusive=True):
-            try:
-                self._catch_up()
-                self._append(line)
-            except OSError as exc:
-                self.write_errors += 1
-                log.warning("cannot journal a share index record in %s: %s", self.folder, exc)
-                return
-            self._journal_records += 1
-            if self._journal_records >= self.config.compact_every:
-                self._compact()
+        self._unwritten.append(line)
+        del self._unwritten[: -self.MAX_UNWRITTEN]
+        try:
+            self._append(b"".join(self._unwritten))
+        except OSError as exc:
+            self.write_errors += 1
+            log.warning(
+                "cannot journal a share index record in %s (%s); %d record(s) kept to retry",
+                self.folder,
+                exc,
+                len(self._unwritten),
+            )
+            return
+        self._journal_records += len(self._unwritten)
+        self._unwritten.clear()
+        if self._journal_records >= self.config.compact_every:
+            self._compact()
 
     def _append(self, line: bytes) -> None:
         """Append one record line (after a newline if a torn line is left at the end); fsynced."""

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from semkv.config import private_mkdir
 from semkv.store.keys import Namespace
 from semkv.store.redis_tier import RedisTier
 
@@ -119,7 +120,7 @@ class DocumentRegistry:
         self._docs: dict[tuple[str, str], Document] = {}
         self._lock = threading.Lock()
         if self.folder is not None:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_mkdir(self.folder)
 
     # -- where records live --------------------------------------------------------------------------
     @staticmethod
@@ -173,7 +174,7 @@ class DocumentRegistry:
             folder = self._dir(namespace)
             tmp = folder / f".tmp-{doc.id}.{os.getpid()}.{threading.get_ident()}"
             try:
-                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                private_mkdir(folder)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w", encoding="utf-8") as fh:
                     fh.write(data)

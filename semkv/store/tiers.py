@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from semkv.config import private_mkdir
 from semkv.store.entry import CorruptEntry, KVEntry, UnauthenticatedEntry, decode, encode
 from semkv.store.keys import EntryKey, is_valid_key
 
@@ -223,7 +224,7 @@ class DiskTier:
         self._writes_since_count = 0
         self._usage_lock = threading.Lock()
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_mkdir(self.root)
         except OSError as exc:
             raise OSError(f"cannot create the cache folder {self.root}: {exc}") from exc
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
@@ -337,7 +338,7 @@ class DiskTier:
         data = encode(entry, self.secret)
         tmp = path.parent / f"{self.TMP_PREFIX}{entry.key}.{os.getpid()}.{threading.get_ident()}"
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_mkdir(path.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
