@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from semkv import __version__ as semkv_version
 from semkv.prompt import tokenize_text
 from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
 from semkv.server.documents import Document, DocumentRegistry
 from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
@@ -235,6 +236,8 @@ class ServerState:
         ext = body.semkv or SemkvExtension()
         options = ext.options
         check_engine_options(options)
+        if isinstance(options.get("blend"), dict):  # the sink stays the server's (documents are made with it)
+            options["blend"] = {**options["blend"], "sink": self.server_blend().sink}
         namespace = self.namespace(principal, body.cache_salt)
         temperature = body.temperature if body.temperature is not None else self.config.default_temperature
         seed = (
@@ -267,6 +270,11 @@ class ServerState:
             stats = {**r.stats, "server_ttft_s": r.ttft_s}
             out.append(jsonable(stats if self.config.debug_stats else public_stats(stats)))
         return out[0] if len(out) == 1 else out
+
+    def server_blend(self) -> BlendConfig:
+        """The blend settings of a request that sets none: the server's defaults, else the engine's."""
+        blend = GenerateRequest(prompt="x", **self.config.defaults).blend
+        return blend if isinstance(blend, BlendConfig) else self.engine.defaults.blend
 
     def deadline(self, started: float) -> float:
         return started + self.config.request_timeout_s
@@ -344,8 +352,7 @@ class ServerState:
                     "context_length_exceeded",
                 )
         # Chunks are precomputed the way the server's default blend settings will look them up.
-        blend = GenerateRequest(prompt="x", **self.config.defaults).blend
-        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, blend, namespace)]
+        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, self.server_blend(), namespace)]
         self.metrics.document_tokens.inc(sum(counts))
         shared = namespace == Namespace.shared()
         docs = [

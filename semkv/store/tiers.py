@@ -204,9 +204,10 @@ class DiskTier:
     when ``secret`` is set); a damaged or unsigned file is moved to ``root/quarantine`` and
     counted, and the read is a miss.
 
-    budget_bytes: the oldest files are removed once the folder holds more; the total is counted
-    once and then kept up to date by this process's writes (recounted every ``RECOUNT_EVERY``
-    writes, so other processes' writes to the same folder are seen too).
+    budget_bytes: the oldest files are removed once the folder holds more, down to ``LOW_WATER`` of
+    the budget (so a full folder is not listed on every write); the total is counted once and then
+    kept up to date by this process's writes (recounted every ``RECOUNT_EVERY`` writes, so other
+    processes' writes to the same folder are seen too).
     """
 
     name = "disk"
@@ -214,6 +215,7 @@ class DiskTier:
     TMP_PREFIX = ".tmp-"
 
     RECOUNT_EVERY = 256
+    LOW_WATER = 0.9
 
     def __init__(self, root: Path, budget_bytes: int | None = None, secret: bytes | None = None) -> None:
         self.root = Path(root)
@@ -381,7 +383,8 @@ class DiskTier:
                 self._writes_since_count = 0
 
     def _enforce_budget(self, keep: Path) -> int:
-        """Remove the oldest files until the folder fits the budget; returns the bytes left."""
+        """Remove the oldest files until the folder holds at most ``LOW_WATER`` of the budget (if it is
+        over the budget); returns the bytes left."""
         assert self.budget_bytes is not None
         files = []
         for f in self._files():
@@ -391,8 +394,11 @@ class DiskTier:
                 continue
             files.append((st.st_mtime_ns, st.st_size, f))
         total = sum(size for _, size, _ in files)
+        if total <= self.budget_bytes:
+            return total
+        target = int(self.budget_bytes * self.LOW_WATER)
         for _, size, f in sorted(files):
-            if total <= self.budget_bytes:
+            if total <= target:
                 break
             if f == keep:
                 continue

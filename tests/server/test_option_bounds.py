@@ -173,3 +173,25 @@ def test_memory_stays_bounded_over_the_fuzz_and_many_hasher_settings(client):
     assert growth < 60, f"RSS grew {growth:.1f} MB over 48 hasher settings"
     ok = client.post("/v1/completions", json={"model": TINY, "prompt": "Hello", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_requests_cannot_change_the_chunk_sink(tiny_app):
+    """Injected: a server whose chunks are made with ``sink="none"``; requests that set blend options
+    (the old server let a request's blend dict bring the default sink, missing every stored chunk and
+    replacing it for everyone) and one that names another sink. Must hold: the document's chunk is hit
+    whatever blend options a request sets; naming a sink is a 400; the stored chunk is never replaced."""
+    from fastapi.testclient import TestClient
+
+    config = ServerConfig(defaults={"blend": {"sink": "none"}}, debug_stats=True)
+    with TestClient(tiny_app(config), raise_server_exceptions=False) as c:
+        doc = c.post("/v1/documents", json={"input": "The ferry leaves at noon from pier four."}).json()[
+            "data"
+        ][0]
+        body = {"model": TINY, "prompt": "When does it leave?", "max_tokens": 1}
+        for blend in ({"recompute_ratio": 0.3}, {"check_layer": 1, "gradual": True}, {}):
+            semkv = {"documents": [doc["id"]], "reuse": "blend", "blend": blend}
+            stats = c.post("/v1/completions", json={**body, "semkv": semkv}).json()["semkv"]
+            assert stats["path"] == "blend" and stats["chunk_hits"] == 1, (blend, stats)
+        semkv = {"documents": [doc["id"]], "reuse": "blend", "blend": {"sink": "bos"}}
+        r = c.post("/v1/completions", json={**body, "semkv": semkv})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "semkv.blend.sink"
