@@ -21,15 +21,13 @@ import redis
 import torch
 
 from semkv.store.entry import KVEntry, decode, encode
-from tests.conftest import tiny_hf_model
-from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
+from tests.reliability.reliability_helpers import (
+    PROMPT,
+    block_keys_of,
+    engine_at,
+)
 
 SECRET = "deployment-secret-0123456789"
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_hf_model("llama", len(tokenizer))
 
 
 @pytest.fixture(scope="module")

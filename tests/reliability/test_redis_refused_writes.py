@@ -18,15 +18,13 @@ import pytest
 import redis
 import torch
 
-from tests.conftest import tiny_hf_model
-from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
+from tests.reliability.reliability_helpers import (
+    PROMPT,
+    block_keys_of,
+    engine_at,
+)
 
 OTHER = "A new prompt whose blocks Redis will refuse to store, because it is full."
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_hf_model("llama", len(tokenizer))
 
 
 def test_refused_writes_do_not_stop_reads(tmp_path, tokenizer, model, redis_server):

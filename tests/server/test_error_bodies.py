@@ -29,6 +29,13 @@ def app_and_client(tiny_app):
         yield app, client
 
 
+def raising(exc: Exception):
+    def broken(*args, **kwargs):
+        raise exc
+
+    return broken
+
+
 def check_generic(error: dict, caplog) -> None:
     assert SECRET not in json.dumps(error) and "RuntimeError" not in error["message"], error
     assert error["code"] == "internal_error" and error["type"] == "server_error"
@@ -38,12 +45,7 @@ def check_generic(error: dict, caplog) -> None:
 
 def test_engine_failure_before_the_first_token(app_and_client, monkeypatch, caplog):
     app, client = app_and_client
-    engine = app.state.semkv.engine
-
-    def broken(*args, **kwargs):
-        raise RuntimeError(SECRET)
-
-    monkeypatch.setattr(engine, "generate", broken)
+    monkeypatch.setattr(app.state.semkv.engine, "generate", raising(RuntimeError(SECRET)))
     caplog.set_level(logging.ERROR)
     for body in ({"model": TINY, "prompt": "Hi"}, {"model": TINY, "prompt": "Hi", "stream": True}):
         r = client.post("/v1/completions", json=body)
@@ -81,12 +83,7 @@ def test_engine_failure_in_the_middle_of_a_stream(app_and_client, monkeypatch, c
 
 def test_route_failure_outside_the_engine(app_and_client, monkeypatch, caplog):
     app, client = app_and_client
-    registry = app.state.semkv.documents
-
-    def broken(*args, **kwargs):
-        raise OSError(SECRET)
-
-    monkeypatch.setattr(registry, "list", broken)
+    monkeypatch.setattr(app.state.semkv.documents, "list", raising(OSError(SECRET)))
     caplog.set_level(logging.ERROR)
     r = client.get("/v1/documents")
     assert r.status_code == 500
