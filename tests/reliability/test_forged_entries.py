@@ -4,7 +4,8 @@ Injected: an attacker who can write to the store but does not hold the deploymen
 Keys, fingerprints and checksums are all computable from public data, so it replaces a prompt's
 stored prefix blocks with well-formed entries — right key, token ids, fingerprint and checksums —
 whose KV is poisoned (scaled by 50), unsigned or signed with a wrong secret; on the disk tier and on
-a real ``redis-server``. Then, on a deployment without a secret, entries whose KV has NaNs or the wrong
+a real ``redis-server``; the secret given in the config, or only in ``$SEMKV_STORE_SECRET`` (as
+``semkv serve`` deployments are told to pass it). Then, on a deployment without a secret, entries whose KV has NaNs or the wrong
 shape (checksums valid).
 
 Must hold: without a secret the forged blocks are served (the control: the attack is real, the
@@ -20,6 +21,7 @@ import pytest
 import redis
 import torch
 
+from semkv.config import STORE_SECRET_ENV
 from semkv.store.entry import KVEntry, decode, encode
 from tests.reliability.reliability_helpers import (
     PROMPT,
@@ -77,6 +79,19 @@ def test_forged_disk_entries_are_misses_with_the_secret(tmp_path, tokenizer, mod
     again = engine_at(home, tokenizer, model, secret=SECRET).generate(PROMPT, max_new_tokens=2)
     assert again.stats["reused_tokens"] > 0  # the real entries were written back, signed
     check_reference(again, reference)
+
+
+def test_the_secret_from_the_environment_is_used(tmp_path, tokenizer, model, reference, monkeypatch):
+    """A store configured without a secret takes ``$SEMKV_STORE_SECRET``: the forgery is a miss."""
+    monkeypatch.setenv(STORE_SECRET_ENV, SECRET)
+    home = tmp_path / "home"
+    engine_at(home, tokenizer, model).generate(PROMPT, max_new_tokens=2)
+    keys = block_keys_of(engine_at(tmp_path / "probe", tokenizer, model, disk=False))
+    forge_disk(home, keys, None)
+    victim = engine_at(home, tokenizer, model)
+    g = victim.generate(PROMPT, max_new_tokens=2)
+    check_reference(g, reference)
+    assert g.stats["reused_tokens"] == 0 and victim.store.tier("disk").stats.unauthenticated >= 1
 
 
 def test_without_the_secret_the_forgery_is_served(tmp_path, tokenizer, model, reference):
