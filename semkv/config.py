@@ -7,6 +7,7 @@ inside a forward pass.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from semkv.models.precision import COMPUTE_DTYPE_CHOICES, resolve_compute_dtype
+
+log = logging.getLogger(__name__)
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -30,6 +33,45 @@ def default_home() -> Path:
     return Path(cache).expanduser() / "semkv"
 
 
+STORE_SECRET_ENV = "SEMKV_STORE_SECRET"
+
+
+def _secret_from_env() -> str | None:
+    return os.environ.get(STORE_SECRET_ENV) or None
+
+
+def private_mkdir(path: Path) -> Path:
+    """Create ``path`` and every missing parent with mode 0700 (``Path.mkdir(parents=True)`` gives the
+    parents the default mode); existing folders are left as they are."""
+    path = Path(path)
+    missing = []
+    for folder in [path, *path.parents]:
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) readable by this user only (0700); warn when an existing
+    folder is open to others (it is left as it is: it may be shared on purpose)."""
+    path = private_mkdir(Path(path))
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return path
+    if mode & 0o077:
+        log.warning(
+            "the semkv home %s is open to other users (mode %o): cached prompts are readable there; "
+            "chmod 700 it unless it is shared on purpose",
+            path,
+            mode,
+        )
+    return path
+
+
 @dataclass
 class StoreConfig:
     """Where and how KV entries are kept.
@@ -43,6 +85,9 @@ class StoreConfig:
     redis_namespace: prefix of every Redis key (deployments sharing one Redis use different ones).
     redis_wait_replicas: replicas a Redis write must reach (WAIT) before it is acknowledged;
         None: 1 when the deployment has replicas, else 0.
+    redis_max_value_bytes: entries larger than this are not written to Redis.
+    secret: the deployment's store secret (default: ``$SEMKV_STORE_SECRET``): every entry written to
+        disk or Redis is signed with it, and an entry without a valid signature is a miss.
     """
 
     memory_bytes: int = 2 * 1024**3
@@ -52,8 +97,16 @@ class StoreConfig:
     redis_timeout_s: float = 0.25
     redis_namespace: str = "semkv"
     redis_wait_replicas: int | None = None
+    redis_max_value_bytes: int = 64 * 1024**2
+    secret: str | None = field(default_factory=_secret_from_env, repr=False)
 
     def __post_init__(self) -> None:
+        if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
+            raise ValueError("secret must be a str of at least 16 characters (or None)")
+        if isinstance(self.redis_max_value_bytes, bool) or not isinstance(self.redis_max_value_bytes, int):
+            raise ValueError(f"redis_max_value_bytes must be an int, got {self.redis_max_value_bytes!r}")
+        if self.redis_max_value_bytes < 1:
+            raise ValueError(f"redis_max_value_bytes must be >= 1, got {self.redis_max_value_bytes}")
         for name in ("memory_bytes", "disk_bytes", "redis_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

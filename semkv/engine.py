@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from semkv.config import EngineConfig, StoreConfig
+from semkv.config import EngineConfig, StoreConfig, make_private_dir
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
@@ -45,6 +45,8 @@ from semkv.sparse.base import SparsePolicy
 from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
+from semkv.store.entry import KVShape
+from semkv.store.keys import Namespace
 from semkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class Engine:
 
     Thread-safe: the public steps hold one re-entrant lock, so requests run one at a time.
     ``defaults`` holds what unset request knobs fall back to (the calibrated profile, if any).
+    The home folder is created readable by its user only (0700): it holds cached prompts.
     """
 
     def __init__(
@@ -75,7 +78,9 @@ class Engine:
         )
         self.adapter = self.runtime.adapter
         self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype, compute_dtype)
-        self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint)
+        make_private_dir(config.home_path)
+        shape = KVShape(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim)
+        self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint, shape)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
         self.paths: dict[str, ReusePath] = build_paths(self.share_index_folder())
         # defaults measured by `semkv calibrate` for this fingerprint, if any
@@ -84,6 +89,7 @@ class Engine:
         )
         self.max_context = int(self.adapter.max_positions)
         self.eos_ids = frozenset(self._eos_ids())
+        self.hook_errors: dict[str, int] = {}  # path name -> post-prefill hooks that raised
         self._lock = threading.RLock()
 
     @classmethod
@@ -113,6 +119,7 @@ class Engine:
             device=device,
             compute_dtype=compute_dtype,
         )
+        make_private_dir(config.home_path)
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
         return cls(config, loaded.hf_model, loaded.tokenizer, name=loaded.name)
 
@@ -318,13 +325,26 @@ class Engine:
     def store_prefill(self, seq: Sequence) -> float:
         """Keep what the prefill made reusable (each path's ``after_prefill``: prefix blocks, chunks,
         the prompt for sharing), unless the request said ``store_prompt=False``. Once per sequence;
-        returns the seconds spent."""
+        returns the seconds spent.
+
+        A hook that raises (a full disk under the share index, a tier bug) never fails the request:
+        it is logged and counted in :attr:`hook_errors`, and the other hooks still run."""
         with self._lock:
             if seq.stored or not seq.request.store_prompt:
                 return 0.0
             start = time.perf_counter()
-            for path in self.paths.values():
-                path.after_prefill(self.ctx, seq.options, seq.layout, seq.cache, seq.outcome)
+            for name, path in self.paths.items():
+                try:
+                    path.after_prefill(self.ctx, seq.options, seq.layout, seq.cache, seq.outcome)
+                except Exception as exc:
+                    self.hook_errors[name] = self.hook_errors.get(name, 0) + 1
+                    log.error(
+                        "storing after prefill failed in path %r (%s: %s); the request goes on",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                        exc_info=exc,
+                    )
             seq.stored = True
             seq.store_s = time.perf_counter() - start
             return seq.store_s
@@ -397,13 +417,25 @@ class Engine:
             self.decode(seq, on_token=on_token)
             return self.finish(seq)
 
-    def add_chunks(self, texts: list[str], config: BlendConfig | None = None) -> list[str]:
+    def add_chunks(
+        self, texts: list[str], config: BlendConfig | None = None, namespace: Namespace | None = None
+    ) -> list[str]:
         """Precompute and store each text's position-independent KV for CacheBlend; returns chunk keys.
 
         config: its ``sink`` decides how chunks are computed (default: the engine's blend default).
+        namespace: whose chunks they are (None: the default namespace; ``Namespace.shared()``: every
+        tenant's requests find them).
         """
         with self._lock:
-            return list(add_chunks(self.ctx, texts, config or self.defaults.blend))
+            return list(add_chunks(self.ctx, texts, config or self.defaults.blend, namespace))
+
+    def failure_counts(self) -> dict[str, int]:
+        """Background work that failed without failing a request: post-prefill hooks per path, and
+        share index writes (journal / snapshot)."""
+        counts = {f"after_prefill_{name}": n for name, n in self.hook_errors.items()}
+        share = self.paths.get("share")
+        counts["share_index_writes"] = int(getattr(share, "write_errors", 0))
+        return counts
 
     def close(self) -> None:
         self.store.close()

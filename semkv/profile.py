@@ -145,7 +145,7 @@ class EngineDefaults:
         if request.recompute_ratio is not None:
             blend = replace(blend, recompute_ratio=float(request.recompute_ratio))
         share = request.share if request.share is not None else self.share
-        return ReuseOptions(mode=request.reuse, blend=blend, share=share)
+        return ReuseOptions(mode=request.reuse, blend=blend, share=share, namespace=request.namespace)
 
     def kv_budget_for(self, request: GenerateRequest) -> float | int:
         """The request's kv_budget, else the calibrated budget of its sparse policy, else the default."""

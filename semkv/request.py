@@ -13,6 +13,7 @@ from typing import Any
 from semkv.reuse.options import BlendConfig, ShareConfig, check_fraction
 from semkv.reuse.registry import REUSE_MODES
 from semkv.sparse import SparsePolicy, validate_sparse
+from semkv.store.keys import Namespace
 
 MAX_NEW_TOKENS_LIMIT = 8192
 DEFAULT_KV_BUDGET = 0.1
@@ -31,6 +32,9 @@ class GenerateRequest:
     assistant_prefix: text the reply starts with (e.g. "The answer is"), placed after the chat
         template's generation prompt (after a plain prompt without the template); the generated
         text continues it and does not repeat it.
+    tenant / cache_salt: the request's namespace (see :class:`semkv.store.keys.Namespace`): only
+        requests with the same tenant and salt reuse each other's KV (prefix blocks, chunks, shared
+        prompts). The server sets ``tenant`` from the API key; "" / None is the default namespace.
     """
 
     prompt: str | None = None
@@ -53,6 +57,8 @@ class GenerateRequest:
     sparse: str | SparsePolicy | None = "auto"
     kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
     # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
+    tenant: str = ""
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -86,6 +92,9 @@ class GenerateRequest:
             DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,
         )
         _check_text("assistant_prefix", self.assistant_prefix)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {type(self.cache_salt).__name__}")
+        Namespace(self.tenant, self.cache_salt or "")  # a ValueError naming tenant / salt
         if self.use_chat_template is not None and not isinstance(self.use_chat_template, bool):
             raise ValueError(f"use_chat_template must be None, True or False, got {self.use_chat_template!r}")
         if self.use_chat_template is False and self.messages is not None:
@@ -100,6 +109,13 @@ class GenerateRequest:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.stop_at_eos, bool) or not isinstance(self.store_prompt, bool):
+            raise ValueError("stop_at_eos and store_prompt must be true or false")
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace whose cache this request reads and writes."""
+        return Namespace(self.tenant, self.cache_salt or "")
 
 
 @dataclass

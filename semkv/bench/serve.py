@@ -117,7 +117,7 @@ def start_local_server(
     home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
     models_dir = args.models_dir or str(default_home() / "models")
     extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype]
-    extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1)]
+    extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1), "--debug-stats"]
     if args.redis:
         extra += ["--redis", args.redis]
     return ServeProcess(args.model, home, *extra, *more, port=args.port if port is None else port, cpus=cpus)

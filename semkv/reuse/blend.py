@@ -5,6 +5,10 @@ Chunk precompute
     :data:`EntryKind.CHUNK` entry under ``chunk_key(fingerprint, token_ids)`` (no parent):
     pre-RoPE keys and values [L, kvh, n, d] of its tokens at local positions.
 
+    Namespaces. Chunk keys are scoped by the request's namespace (tenant + cache salt); a chunk is
+    looked up in the request's namespace first, then in the shared namespace (documents published to
+    every tenant), and chunks computed for a request are stored in its own namespace only.
+
     Attention sink. A chunk computed alone makes its own first token the attention
     sink: every later token of the chunk dumps attention mass there, and in the blended
     prompt (where the real sink is the template's first token) those rows are wrong. So
@@ -53,14 +57,14 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.models.cache import KVCache
-from semkv.prompt import PromptLayout, build_layout
+from semkv.prompt import PromptLayout, build_layout, tokenize_text
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
 from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
 from semkv.reuse.selection.base import ContextScaling, RowInfo
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute
 from semkv.store.entry import KVEntry
-from semkv.store.keys import EntryKey, EntryKind, chunk_key
+from semkv.store.keys import EntryKey, EntryKind, Namespace, chunk_key
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,12 @@ def _digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()[:16]
 
 
-def lookup_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int]) -> KVEntry | None:
-    """The stored chunk for ``token_ids`` made by this model (fingerprint) with these sink tokens, or None."""
-    entry = ctx.store.get(chunk_key(ctx.fingerprint, token_ids), token_ids, EntryKind.CHUNK)
+def lookup_chunk(
+    ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int], namespace: Namespace | None = None
+) -> KVEntry | None:
+    """``namespace``'s stored chunk for ``token_ids`` made by this model (fingerprint) with these sink
+    tokens, or None."""
+    entry = ctx.store.get(chunk_key(ctx.fingerprint, token_ids, namespace), token_ids, EntryKind.CHUNK)
     if entry is None:
         return None
     if entry.meta.get("sink_digest") != _digest(sink_ids):
@@ -97,7 +104,20 @@ def lookup_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequen
     return entry
 
 
-def precompute_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int]) -> KVEntry:
+def find_chunk(
+    ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int], namespace: Namespace
+) -> KVEntry | None:
+    """The chunk from ``namespace``, else from the shared namespace (published documents), or None."""
+    entry = lookup_chunk(ctx, token_ids, sink_ids, namespace)
+    shared = Namespace.shared()
+    if entry is None and namespace != shared:
+        entry = lookup_chunk(ctx, token_ids, sink_ids, shared)
+    return entry
+
+
+def precompute_chunk(
+    ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Sequence[int], namespace: Namespace | None = None
+) -> KVEntry:
     """Compute a chunk's KV after ``sink_ids`` (dropped) and return it as a CHUNK entry (not stored).
 
     Entry k, v: [L, kvh, n, d] pre-RoPE keys / values in the KV dtype.
@@ -108,7 +128,7 @@ def precompute_chunk(ctx: PrefillContext, token_ids: Sequence[int], sink_ids: Se
     runtime.prefill(cache, sink + ids)
     k, v = cache.export(len(sink), len(sink) + len(ids))
     return KVEntry(
-        chunk_key(ctx.fingerprint, ids),
+        chunk_key(ctx.fingerprint, ids, namespace),
         EntryKind.CHUNK,
         ctx.fingerprint,
         ids,
@@ -125,14 +145,13 @@ def store_chunk(ctx: PrefillContext, entry: KVEntry) -> None:
     ctx.store.put(entry)
 
 
-def _tokenize(ctx: PrefillContext, text: str) -> list[int]:
-    return list(ctx.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def add_chunks(
-    ctx: PrefillContext, texts: Sequence[str], config: BlendConfig | None = None
+    ctx: PrefillContext,
+    texts: Sequence[str],
+    config: BlendConfig | None = None,
+    namespace: Namespace | None = None,
 ) -> list[EntryKey]:
-    """Precompute and store each text's position-independent KV; return their chunk keys.
+    """Precompute and store each text's position-independent KV under ``namespace``; return their keys.
 
     Every text is validated and tokenized before any compute: a non-string, an empty text
     or one longer than the model's context is a ``ValueError``. Texts already stored are
@@ -147,7 +166,7 @@ def add_chunks(
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise ValueError(f"chunk {index} must be a str, got {type(text).__name__}")
-        ids = _tokenize(ctx, text)
+        ids = tokenize_text(ctx.tokenizer, text)
         if not ids:
             raise ValueError(f"chunk {index} is empty")
         if len(ids) + len(sink) > limit:
@@ -158,9 +177,9 @@ def add_chunks(
         tokenized.append(ids)
     keys = []
     for ids in tqdm(tokenized, desc="precompute chunks", unit="chunk", disable=len(tokenized) < 4):
-        if lookup_chunk(ctx, ids, sink) is None:
-            store_chunk(ctx, precompute_chunk(ctx, ids, sink))
-        keys.append(chunk_key(ctx.fingerprint, ids))
+        if lookup_chunk(ctx, ids, sink, namespace) is None:
+            store_chunk(ctx, precompute_chunk(ctx, ids, sink, namespace))
+        keys.append(chunk_key(ctx.fingerprint, ids, namespace))
     return keys
 
 
@@ -188,7 +207,7 @@ class BlendReuse:
         if not any(seg.token_ids for seg, _, _ in spans):
             return Refusal(self.name, "no context chunks")
         token_ids = layout.token_ids
-        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids)
+        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids, options.namespace)
         prefix = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
         blocks = blocks[: math.ceil(prefix / ctx.block_size)] if prefix > 0 else []
         sink = sink_tokens(ctx, config.sink)
@@ -196,7 +215,7 @@ class BlendReuse:
         loaded = misses = 0
         for seg, start, end in spans:
             wanted = bool(seg.token_ids) and end > prefix
-            entry = lookup_chunk(ctx, seg.token_ids, sink) if wanted else None
+            entry = find_chunk(ctx, seg.token_ids, sink, options.namespace) if wanted else None
             chunks.append(entry)
             if entry is not None:
                 loaded += end - max(start, prefix)
@@ -311,12 +330,18 @@ class BlendReuse:
             return
         exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
         if exact_rows >= ctx.block_size:
-            store_prefix(ctx, cache, layout.token_ids[:exact_rows], summaries=outcome.summaries)
+            store_prefix(
+                ctx,
+                cache,
+                layout.token_ids[:exact_rows],
+                summaries=outcome.summaries,
+                namespace=options.namespace,
+            )
         if outcome.info.get("chunk_misses"):
             sink = sink_tokens(ctx, options.blend.sink)
             for seg, _, _ in layout.chunk_spans():
-                if seg.token_ids and lookup_chunk(ctx, seg.token_ids, sink) is None:
-                    store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink))
+                if seg.token_ids and find_chunk(ctx, seg.token_ids, sink, options.namespace) is None:
+                    store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink, options.namespace))
 
 
 def _append_blank_rows(cache: KVCache, positions: torch.Tensor, token_ids: list[int]) -> None:

@@ -15,6 +15,14 @@ from semkv.reuse.selection.base import RowSelector
 from semkv.reuse.selection.query import QuerySelector
 from semkv.reuse.selection.registry import make_selector
 from semkv.reuse.selective import DeviationOn
+from semkv.store.keys import DEFAULT_NAMESPACE, Namespace
+from semkv.validation import check_bool, check_choice, check_int, check_number
+
+DEVIATIONS: tuple[str, ...] = ("k", "v", "kv")
+MAX_LAYERS = 1024  # bounds of the knobs a request may set (see semkv.validation)
+MAX_TOKENS = 1_000_000
+MAX_ANCHOR = 64
+MAX_CANDIDATES = 16
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -69,19 +77,14 @@ class BlendConfig:
             raise ValueError(f"blend selector: {exc}") from None
         if self.check_layer is None:
             object.__setattr__(self, "check_layer", 1 if self.selector.uses_deviation else 0)
-        if (
-            isinstance(self.check_layer, bool)
-            or not isinstance(self.check_layer, int)
-            or self.check_layer < 0
-        ):
-            raise ValueError(f"check_layer must be an int >= 0, got {self.check_layer!r}")
+        check_int("check_layer", self.check_layer, 0, MAX_LAYERS)
         if self.check_layer == 0 and self.selector.uses_deviation:
             raise ValueError(
                 f"check_layer 0 cannot rank by KV deviation (layer 0's KV depends on the token alone); "
                 f"selector {self.selector.name!r} needs check_layer >= 1"
             )
-        if self.sink not in SINK_MODES:
-            raise ValueError(f"sink must be one of {SINK_MODES}, got {self.sink!r}")
+        check_bool("gradual", self.gradual)
+        check_choice("sink", self.sink, SINK_MODES)
 
     def schedule(self, num_layers: int) -> dict[int, float]:
         """layer -> fraction of cached rows kept from that layer on (for :class:`SelectiveRecompute`)."""
@@ -152,32 +155,27 @@ class ShareConfig:
     def __post_init__(self) -> None:
         if isinstance(self.simhash, dict):
             self.simhash = SimHashConfig(**self.simhash)
-        if self.min_tokens < 2:
-            raise ValueError(f"min_tokens must be >= 2, got {self.min_tokens}")
-        for name in ("min_similarity", "min_match_rate", "min_token_similarity", "first_ratio"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("min_ratio", "constant_ratio"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.schedule not in ("exponential", "constant"):
-            raise ValueError(f"schedule must be 'exponential' or 'constant', got {self.schedule!r}")
-        if self.unmatched not in ("recompute", "drop"):
-            raise ValueError(f"unmatched must be 'recompute' or 'drop', got {self.unmatched!r}")
-        if self.scattered not in ("reuse", "recompute"):
-            raise ValueError(f"scattered must be 'reuse' or 'recompute', got {self.scattered!r}")
-        if self.deviation_on not in ("k", "v", "kv"):
-            raise ValueError(f"deviation_on must be 'k', 'v' or 'kv', got {self.deviation_on!r}")
-        if self.min_aligned_after_prefix < 0:
-            raise ValueError(f"min_aligned_after_prefix must be >= 0, got {self.min_aligned_after_prefix}")
-        if self.recompute_last < 1:
-            raise ValueError(
-                f"recompute_last must be >= 1 (the last token is always computed), got {self.recompute_last}"
-            )
-        if self.anchor < 1 or self.candidates < 1:
-            raise ValueError("anchor and candidates must be >= 1")
+        if not isinstance(self.simhash, SimHashConfig):
+            raise ValueError(f"simhash must be a SimHashConfig or a dict, got {type(self.simhash).__name__}")
+        check_int("min_tokens", self.min_tokens, 2, MAX_TOKENS)
+        for name in (
+            "min_similarity",
+            "min_match_rate",
+            "min_token_similarity",
+            "first_ratio",
+            "min_ratio",
+            "constant_ratio",
+        ):
+            check_fraction(name, getattr(self, name))
+        check_number("decay", self.decay, 0.0, 1.0, low_open=True)
+        check_choice("schedule", self.schedule, ("exponential", "constant"))
+        check_choice("unmatched", self.unmatched, ("recompute", "drop"))
+        check_choice("scattered", self.scattered, ("reuse", "recompute"))
+        check_choice("deviation_on", self.deviation_on, DEVIATIONS)
+        check_int("min_aligned_after_prefix", self.min_aligned_after_prefix, 0, MAX_TOKENS)
+        check_int("recompute_last", self.recompute_last, 1, MAX_TOKENS)
+        check_int("anchor", self.anchor, 1, MAX_ANCHOR)
+        check_int("candidates", self.candidates, 1, MAX_CANDIDATES)
 
     def ratios(self, num_layers: int) -> dict[int, float]:
         """layer -> recompute ratio for layers 1..num_layers-1 (non-increasing)."""
@@ -199,8 +197,11 @@ class ReuseOptions:
 
     mode: "auto", "none" or a path name (the request's ``reuse``).
     blend / share: the configs the blend and share paths use for this request.
+    namespace: whose cache the request reads and writes (tenant + cache salt): every store key, the
+        share index and stored chunks are scoped by it (chunks are also read from the shared namespace).
     """
 
     mode: str = "auto"
     blend: BlendConfig = field(default_factory=BlendConfig)
     share: ShareConfig = field(default_factory=ShareConfig)
+    namespace: Namespace = DEFAULT_NAMESPACE

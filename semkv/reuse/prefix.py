@@ -18,7 +18,7 @@ from semkv.prompt import PromptLayout
 from semkv.reuse.base import BlockSummaries, Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import ReuseOptions
 from semkv.store.entry import KVEntry
-from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, prefix_block_keys, prefix_digests
+from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, Namespace, prefix_block_keys, prefix_digests
 from semkv.store.store import KVStore
 
 
@@ -27,11 +27,13 @@ class PrefixPlan(Plan):
     blocks: list[KVEntry]
 
 
-def lookup_prefix(store: KVStore, block_size: int, token_ids: list[int]) -> list[KVEntry]:
-    """The longest run of stored blocks covering ``token_ids`` from the start."""
+def lookup_prefix(
+    store: KVStore, block_size: int, token_ids: list[int], namespace: Namespace | None = None
+) -> list[KVEntry]:
+    """The longest run of ``namespace``'s stored blocks covering ``token_ids`` from the start."""
     found: list[KVEntry] = []
-    digests = prefix_digests(store.fingerprint, block_size, token_ids)
-    for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids)):
+    digests = prefix_digests(store.fingerprint, block_size, token_ids, namespace)
+    for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids, namespace)):
         expect = token_ids[index * block_size : (index + 1) * block_size]
         entry = store.get(key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]})
         if entry is None or entry.block_size != block_size:
@@ -79,15 +81,17 @@ def store_prefix(
     token_ids: list[int],
     skip_blocks: int = 0,
     summaries: BlockSummaries | None = None,
+    namespace: Namespace | None = None,
 ) -> int:
     """Store every full block of the cache's first ``len(token_ids)`` rows from block ``skip_blocks`` on,
-    each with its summaries from ``summaries`` when it has them (so a later hit does not recompute them).
+    under ``namespace``'s keys, each with its summaries from ``summaries`` when it has them (so a later
+    hit does not recompute them).
 
     The rows must hold exact (full-prefill-equivalent) KV at positions 0... Returns blocks written.
     """
     size = ctx.block_size
-    keys = prefix_block_keys(ctx.fingerprint, size, token_ids)
-    digests = prefix_digests(ctx.fingerprint, size, token_ids)
+    keys = prefix_block_keys(ctx.fingerprint, size, token_ids, namespace)
+    digests = prefix_digests(ctx.fingerprint, size, token_ids, namespace)
     written = 0
     for index in range(skip_blocks, len(keys)):
         if ctx.store.held_by_all(keys[index]):  # not contains(): re-publish to a tier that lost it
@@ -117,7 +121,7 @@ class PrefixReuse:
 
     def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> PrefixPlan | Refusal:
         token_ids = layout.token_ids
-        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids)
+        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids, options.namespace)
         reused = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
         if reused <= 0:
             return Refusal(self.name, "no stored prefix block")
@@ -149,4 +153,6 @@ class PrefixReuse:
     ) -> None:
         """Store an exact prefill's full blocks as prefix blocks (any path whose outcome is exact)."""
         if outcome.exact:
-            store_prefix(ctx, cache, layout.token_ids, summaries=outcome.summaries)
+            store_prefix(
+                ctx, cache, layout.token_ids, summaries=outcome.summaries, namespace=options.namespace
+            )

@@ -7,6 +7,13 @@ reference index (:class:`semkv.reuse.lsh.PromptIndex`, MinHash + banded LSH over
 token bigrams, persisted under the folder the engine gives: ``<home>/share_index/<fingerprint>``).
 The index and the token hashers are state of one :class:`SharePath` instance, which one engine owns.
 
+**One index per namespace.** A request's namespace (tenant + cache salt) picks its index: the
+default namespace's lives in the folder itself, any other in ``<folder>/ns/<namespace folder>``,
+and prompt keys are scoped by the namespace too, so a prompt of one tenant is never a reference
+for another (similarity, not equality, is enough for SemShareKV to leak a prompt: every namespace
+must have its own references). At most ``max_open_indexes`` non-default indexes stay open (LRU);
+the token hashers of at most ``MAX_HASHERS`` distinct signature settings are kept (LRU).
+
 Plan: find the most similar stored prompt in the index (refuse at once if none is
 similar enough: the plan is cheap when nothing similar exists), then match every
 new token to a reference token:
@@ -37,6 +44,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,12 +67,14 @@ from semkv.reuse.lsh import (
 from semkv.reuse.options import ReuseOptions, ShareConfig
 from semkv.reuse.selective import SelectiveRecompute, deviation_recompute
 from semkv.store.entry import KVEntry
-from semkv.store.keys import EntryKind, prompt_key
+from semkv.store.keys import EntryKind, Namespace, prompt_key
 
 log = logging.getLogger(__name__)
 
 UNMATCHED, ALIGNED, SAME_TOKEN, SIGNATURE = 0, 1, 2, 3
 LSH_EXTRA = "lsh"
+MAX_HASHERS = 4
+NAMESPACES_DIR = "ns"
 
 
 # -- matching (pure functions over token ids and signature bits) ------------------------------------
@@ -230,25 +240,68 @@ class SharePath:
 
     index_folder: where the reference index persists (None: in memory only).
     index_config: the index's MinHash / banding settings.
+    max_open_indexes: non-default namespaces whose index stays open (least recently used closed).
     """
 
     name = "share"
 
-    def __init__(self, index_folder: Path | None = None, index_config: IndexConfig | None = None) -> None:
-        self.index = PromptIndex(index_config or IndexConfig(), index_folder)
-        self._hashers: dict[tuple, TokenHasher] = {}
+    def __init__(
+        self,
+        index_folder: Path | None = None,
+        index_config: IndexConfig | None = None,
+        max_open_indexes: int = 64,
+    ) -> None:
+        self.index_folder = index_folder
+        self.index_config = index_config or IndexConfig()
+        self.index = PromptIndex(self.index_config, index_folder)  # the default namespace's
+        self.max_open_indexes = max_open_indexes
+        self._indexes: OrderedDict[str, PromptIndex] = OrderedDict()
+        self._hashers: OrderedDict[tuple, TokenHasher] = OrderedDict()
+
+    # -- indexes ------------------------------------------------------------------------------------
+    def index_for(self, namespace: Namespace, create: bool = False) -> PromptIndex | None:
+        """The reference index of ``namespace``; None when it has none yet and ``create`` is False."""
+        scope = namespace.scope
+        if scope is None:
+            return self.index
+        index = self._indexes.get(scope)
+        if index is not None:
+            self._indexes.move_to_end(scope)
+            return index
+        folder = None
+        if self.index_folder is not None:
+            folder = Path(self.index_folder) / NAMESPACES_DIR / namespace.folder_name
+        if not create and (folder is None or not folder.is_dir()):
+            return None
+        index = PromptIndex(self.index_config, folder)
+        self._indexes[scope] = index
+        while len(self._indexes) > self.max_open_indexes:
+            _, evicted = self._indexes.popitem(last=False)
+            evicted.close()
+        return index
+
+    @property
+    def write_errors(self) -> int:
+        """Index writes (journal, snapshot) that failed, over every open index."""
+        return self.index.write_errors + sum(i.write_errors for i in self._indexes.values())
 
     # -- token signatures ---------------------------------------------------------------------------
     def token_hasher(self, ctx: PrefillContext, config: SimHashConfig) -> TokenHasher:
         """The hasher of ``config`` (embedding centre = the vocabulary mean), built once per config."""
         key = tuple(sorted(asdict(config).items()))
-        if key not in self._hashers:
-            adapter = ctx.runtime.adapter
-            with torch.inference_mode():
-                ids = torch.arange(adapter.vocab_size, device=ctx.runtime.device)
-                center = adapter.embed(ids).float().mean(0)
-            self._hashers[key] = TokenHasher(config, adapter.hidden_size, center.cpu())
-        return self._hashers[key]
+        hasher = self._hashers.get(key)
+        if hasher is not None:
+            self._hashers.move_to_end(key)
+            return hasher
+        adapter = ctx.runtime.adapter
+        with torch.inference_mode():
+            ids = torch.arange(adapter.vocab_size, device=ctx.runtime.device)
+            center = adapter.embed(ids).float().mean(0)
+        hasher = TokenHasher(config, adapter.hidden_size, center.cpu())
+        self._hashers[key] = hasher
+        while len(self._hashers) > MAX_HASHERS:
+            self._hashers.popitem(last=False)
+        return hasher
 
     def token_bits(self, ctx: PrefillContext, config: SimHashConfig, token_ids: list[int]) -> Tensor:
         """Signature bits bool [T, tables * bits] of ``token_ids`` at positions 0..T-1."""
@@ -261,7 +314,12 @@ class SharePath:
     def reference_bits(self, ctx: PrefillContext, config: SimHashConfig, entry: KVEntry) -> Tensor:
         """The reference's signature bits: stored ones when hashed with ``config``, else re-hashed."""
         stored = entry.extras.get(LSH_EXTRA)
-        if stored is not None and entry.meta.get("simhash") == asdict(config):
+        if (
+            stored is not None
+            and entry.meta.get("simhash") == asdict(config)
+            and stored.dtype == torch.int64
+            and tuple(stored.shape) == (len(entry.token_ids), config.tables)
+        ):
             return unpack_bits(stored, config.bits)
         return self.token_bits(ctx, config, entry.token_ids)
 
@@ -279,7 +337,7 @@ class SharePath:
         token_ids = layout.token_ids
         if not outcome.exact or len(token_ids) < config.min_tokens:
             return
-        key = prompt_key(ctx.fingerprint, token_ids)
+        key = prompt_key(ctx.fingerprint, token_ids, options.namespace)
         if not ctx.store.held_by_all(key):
             k, v = cache.export(0, len(token_ids))
             bits = self.token_bits(ctx, config.simhash, token_ids)
@@ -294,8 +352,10 @@ class SharePath:
                 meta={"simhash": asdict(config.simhash)},
             )
             ctx.store.put(entry)
-        if key not in self.index:
-            self.index.add(key, token_ids)
+        index = self.index_for(options.namespace, create=True)
+        assert index is not None
+        if key not in index:
+            index.add(key, token_ids)
 
     # -- the path -----------------------------------------------------------------------------------
     def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> SharePlan | Refusal:
@@ -303,8 +363,8 @@ class SharePath:
         token_ids = layout.token_ids
         if len(token_ids) < config.min_tokens:
             return Refusal(self.name, f"prompt of {len(token_ids)} tokens < min_tokens {config.min_tokens}")
-        index = self.index
-        if len(index) == 0:
+        index = self.index_for(options.namespace)
+        if index is None or len(index) == 0:
             return Refusal(self.name, "no stored prompt to share from")
         start = time.perf_counter()
         hits = index.query(index.signature(token_ids), top=config.candidates)
@@ -321,6 +381,14 @@ class SharePath:
             if hit.similarity < config.min_similarity:
                 break
             reference = ctx.store.get(hit.key, kind=EntryKind.PROMPT)
+            if (
+                reference is not None
+                and prompt_key(ctx.fingerprint, reference.token_ids, options.namespace) != hit.key
+            ):
+                log.warning(
+                    "share reference %s does not hold the prompt its key names; not used", hit.key[:12]
+                )
+                reference = None
             if reference is not None:
                 similarity = hit.similarity
                 break

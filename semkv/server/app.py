@@ -1,16 +1,28 @@
 """The OpenAI-compatible HTTP API over one :class:`~semkv.engine.Engine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE
-with ``"stream": true``), ``POST /v1/documents`` (+ ``GET``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Model work runs on the engine thread
+with ``"stream": true``), ``POST /v1/documents`` (+ ``GET``, ``GET /{id}``, ``DELETE /{id}``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. Model work runs on the engine thread
 (:class:`~semkv.server.worker.EngineWorker`); a streamed response receives tokens from
 the engine's ``on_token`` callback through an asyncio queue.
+
+Security lives here, in the request-handling layer (not in the engine's worker):
+
+* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route and ``/metrics`` need
+  ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
+  are its namespace: every store key, the share index and the document registry are scoped by it.
+* **What a response tells.** Stats that describe other requests' data (which path reused what, how
+  many tokens an exact prefix or a shared prompt covered, why a path was refused, share references)
+  are only returned with ``ServerConfig.debug_stats``; by default a response carries its own
+  token counts and timings only.
+* **Limits.** The request body is limited by the bytes received (chunked bodies included), every
+  engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
+  before prefill and at every token), and a 500 never carries internal exception text.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -29,11 +41,16 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv import __version__ as semkv_version
+from semkv.prompt import tokenize_text
 from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
+from semkv.server.auth import ANONYMOUS, APIKeys, Principal
 from semkv.server.documents import Document, DocumentRegistry
-from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers
+from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
 from semkv.server.metrics import ServerMetrics
+from semkv.server.options import RESERVED_OPTIONS, check_engine_options, engine_option_names
 from semkv.server.schemas import (
+    MAX_SALT_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     DocumentRequest,
@@ -42,20 +59,28 @@ from semkv.server.schemas import (
 )
 from semkv.server.streaming import TextStream
 from semkv.server.worker import EngineWorker
+from semkv.store.keys import Namespace
 from semkv.store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
-# Engine options a request sets through OpenAI's own fields, not through "semkv".
-RESERVED_OPTIONS = {
-    "prompt": "prompt / messages",
-    "messages": "messages",
-    "chunks": "semkv.chunks / semkv.documents",
-    "max_new_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-}
+# Stats a response carries without debug_stats: about the request's own tokens and time only.
+PUBLIC_STATS = frozenset(
+    {
+        "prompt_tokens",
+        "generated_tokens",
+        "finish_reason",
+        "ttft_s",
+        "decode_s",
+        "decode_ms_per_token",
+        "server_ttft_s",
+        "deadline_exceeded",
+        "sparse_policy",
+        "sparse_steps",
+        "kv_budget",
+    }
+)
+PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -74,6 +99,11 @@ class ServerConfig:
     completion_max_tokens / chat_max_tokens: used when a request omits ``max_tokens``
     (chat: also capped to what fits in the context).
     documents_dir: where document records are kept (None: ``<engine home>/documents``).
+    api_keys: the keys and their tenants (None: one anonymous tenant, no authentication).
+    debug_stats: return every engine stat in responses, also those describing other requests' data
+        (which path reused how much, share references, refusal reasons). For trusted clients only.
+    request_timeout_s: each request's deadline from its arrival: not started by then -> 504; still
+        generating -> stopped there (finish_reason "length", ``deadline_exceeded`` in its stats).
     """
 
     model_name: str | None = None
@@ -84,8 +114,13 @@ class ServerConfig:
     chat_max_tokens: int = 256
     max_body_bytes: int = 32 * 1024**2
     documents_dir: Path | None = None
+    api_keys: APIKeys | None = None
+    debug_stats: bool = False
+    request_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if not 0 < self.request_timeout_s <= 86400:
+            raise ValueError(f"request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 0.0 <= self.default_temperature <= 2.0:
@@ -105,11 +140,6 @@ class ServerConfig:
             GenerateRequest(prompt="x", **self.defaults)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid server defaults: {exc}") from exc
-
-
-def engine_option_names() -> set[str]:
-    """Options a request may set through ``semkv``: the GenerateRequest fields OpenAI has no field for."""
-    return {f.name for f in dataclasses.fields(GenerateRequest)} - set(RESERVED_OPTIONS)
 
 
 def jsonable(value: Any) -> Any:
@@ -145,11 +175,35 @@ class ServerState:
         self.model_name = config.model_name or str(engine.name)
         self.created = int(time.time())
         self.worker = EngineWorker(config.max_queue)
-        self.metrics = ServerMetrics(lambda: self.engine.store)
         redis = engine.store.tier("redis")
         self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
         folder = config.documents_dir or Path(engine.config.home_path) / "documents"
-        self.documents = DocumentRegistry(folder, self.redis)
+        secret = engine.config.store.secret
+        self.documents = DocumentRegistry(
+            folder, self.redis, None if secret is None else secret.encode("utf-8")
+        )
+        self.metrics = ServerMetrics(lambda: self.engine.store, self.failure_counts)
+
+    def failure_counts(self) -> dict[str, int]:
+        """Background work that failed without failing a request (for /metrics)."""
+        return {**self.engine.failure_counts(), "document_records": self.documents.write_errors}
+
+    # -- who is asking ----------------------------------------------------------------------------
+    def principal(self, request: Request) -> Principal:
+        """The caller the middleware authenticated (anonymous when the server has no API keys)."""
+        found = (request.scope.get("state") or {}).get(PRINCIPAL)
+        if isinstance(found, Principal):
+            return found
+        if self.config.api_keys is not None:  # never reached through the middleware; refuse anyway
+            raise APIError(401, "missing or invalid API key", None, "invalid_api_key")
+        return ANONYMOUS
+
+    @staticmethod
+    def namespace(principal: Principal, salt: str | None) -> Namespace:
+        try:
+            return Namespace(principal.tenant, salt or "")
+        except ValueError as exc:
+            raise APIError(400, f"cache_salt: {exc}", "cache_salt", "invalid_value") from None
 
     # -- validation -----------------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -161,36 +215,30 @@ class ServerState:
                 "model_not_found",
             )
 
-    def context_chunks(self, ext: SemkvExtension) -> list[str]:
+    def context_chunks(self, ext: SemkvExtension, namespace: Namespace) -> list[str]:
         chunks = []
         for doc_id in ext.documents:
-            doc = self.documents.get(doc_id)
-            if doc is None:
+            found = self.documents.resolve(doc_id, namespace)
+            if found is None:
                 raise APIError(
-                    404, f"unknown document id {doc_id!r}", "semkv.documents", "document_not_found"
+                    404, f"unknown document id {doc_id!r:.60}", "semkv.documents", "document_not_found"
                 )
-            chunks.append(doc.text)
+            chunks.append(found[0].text)
         return chunks + list(ext.chunks)
 
-    def engine_kwargs(self, body: SamplingFields, max_tokens: int | None, **prompt: Any) -> dict[str, Any]:
+    def engine_kwargs(
+        self, body: SamplingFields, max_tokens: int | None, principal: Principal, **prompt: Any
+    ) -> dict[str, Any]:
         """OpenAI fields + ``semkv`` extension -> validated ``Engine.generate`` keyword arguments.
 
         ``max_new_tokens`` is None when the request left it to the server (filled in on the engine thread).
         """
         ext = body.semkv or SemkvExtension()
         options = ext.options
-        for name in options:
-            if name in RESERVED_OPTIONS:
-                raise APIError(
-                    400, f"set {name!r} with the OpenAI field {RESERVED_OPTIONS[name]!r}", f"semkv.{name}"
-                )
-            if name not in engine_option_names():
-                raise APIError(
-                    400,
-                    f"unknown semkv option {name!r}; known: {sorted(engine_option_names() | {'documents', 'chunks'})}",
-                    f"semkv.{name}",
-                    "unknown_option",
-                )
+        check_engine_options(options)
+        if isinstance(options.get("blend"), dict):  # the sink stays the server's (documents are made with it)
+            options["blend"] = {**options["blend"], "sink": self.server_blend().sink}
+        namespace = self.namespace(principal, body.cache_salt)
         temperature = body.temperature if body.temperature is not None else self.config.default_temperature
         seed = (
             body.seed
@@ -199,19 +247,37 @@ class ServerState:
         )
         kwargs: dict[str, Any] = {
             **prompt,
-            "chunks": self.context_chunks(ext),
+            "chunks": self.context_chunks(ext, namespace),
             "max_new_tokens": max_tokens,
             "temperature": float(temperature),
             "top_p": float(body.top_p if body.top_p is not None else 1.0),
             "seed": seed % 2**63,
             **self.config.defaults,
             **options,
+            "tenant": namespace.tenant,
+            "cache_salt": namespace.salt or None,
         }
         try:
             GenerateRequest(**{**kwargs, "max_new_tokens": max_tokens or 1})
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"invalid request: {exc}", "semkv", "invalid_value") from exc
         return kwargs
+
+    def stats(self, results: list[GenerationResult]) -> dict[str, Any] | list[dict[str, Any]]:
+        """The ``semkv`` field of a response: the engine's stats, all of them only with debug_stats."""
+        out = []
+        for r in results:
+            stats = {**r.stats, "server_ttft_s": r.ttft_s}
+            out.append(jsonable(stats if self.config.debug_stats else public_stats(stats)))
+        return out[0] if len(out) == 1 else out
+
+    def server_blend(self) -> BlendConfig:
+        """The blend settings of a request that sets none: the server's defaults, else the engine's."""
+        blend = GenerateRequest(prompt="x", **self.config.defaults).blend
+        return blend if isinstance(blend, BlendConfig) else self.engine.defaults.blend
+
+    def deadline(self, started: float) -> float:
+        return started + self.config.request_timeout_s
 
     # -- engine-thread jobs ----------------------------------------------------------------------------
     def generate(
@@ -223,9 +289,21 @@ class ServerState:
         emit: Callable[[str], None] | None = None,
         cancelled: threading.Event | None = None,
     ) -> GenerationResult:
-        """Run one generation on the engine thread; ``emit`` receives text deltas as they become safe."""
+        """Run one generation on the engine thread; ``emit`` receives text deltas as they become safe.
+
+        The request's deadline is checked before prefill (504 when it passed while queued) and at every
+        token (the generation stops there)."""
         if cancelled is not None and cancelled.is_set():
             raise APIError(499, "the client went away before the request started", None, "cancelled")
+        deadline = self.deadline(started)
+        if time.perf_counter() >= deadline:
+            raise APIError(
+                504,
+                f"the request was not started within its {self.config.request_timeout_s:g} s deadline "
+                "(the server is busy); retry later",
+                None,
+                "deadline_exceeded",
+            )
         engine = self.engine
         if kwargs["max_new_tokens"] is None:
             layout = engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
@@ -233,6 +311,7 @@ class ServerState:
             kwargs = {**kwargs, "max_new_tokens": max(1, min(default_max, room))}
         stream = TextStream(engine.tokenizer, stop)
         first: list[float] = []
+        expired: list[bool] = []
 
         def on_token(token: int) -> bool:
             if not first:
@@ -240,22 +319,28 @@ class ServerState:
             delta = stream.push(token)
             if delta and emit is not None:
                 emit(delta)
+            if time.perf_counter() >= deadline:
+                expired.append(True)
+                return False
             return not (stream.stopped or (cancelled is not None and cancelled.is_set()))
 
         generation = engine.generate(on_token=on_token, **kwargs)
         tail = stream.finish()
         if tail and emit is not None:
             emit(tail)
-        length = not stream.stopped and len(generation.token_ids) >= kwargs["max_new_tokens"]
+        length = bool(expired) or (
+            not stream.stopped and len(generation.token_ids) >= kwargs["max_new_tokens"]
+        )
         ttft = (first[0] if first else time.perf_counter()) - started
         self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
+        stats = {**generation.stats, "deadline_exceeded": bool(expired)}
         return GenerationResult(
-            stream.text, list(generation.token_ids), generation.stats, "length" if length else "stop", ttft
+            stream.text, list(generation.token_ids), stats, "length" if length else "stop", ttft
         )
 
-    def add_documents(self, texts: list[str]) -> list[Document]:
+    def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
         tokenizer = self.engine.tokenizer
-        counts = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        counts = [len(tokenize_text(tokenizer, t)) for t in texts]
         for i, n in enumerate(counts):
             if n == 0:
                 raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
@@ -267,14 +352,26 @@ class ServerState:
                     "context_length_exceeded",
                 )
         # Chunks are precomputed the way the server's default blend settings will look them up.
-        blend = GenerateRequest(prompt="x", **self.config.defaults).blend
-        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, blend)]
+        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, self.server_blend(), namespace)]
         self.metrics.document_tokens.inc(sum(counts))
-        docs = [DocumentRegistry.new(t, n, [c]) for t, n, c in zip(texts, counts, chunk_ids, strict=True)]
+        shared = namespace == Namespace.shared()
+        docs = [
+            DocumentRegistry.new(t, n, [c], shared, owner)
+            for t, n, c in zip(texts, counts, chunk_ids, strict=True)
+        ]
         for doc in docs:
-            self.documents.put(doc)
+            self.documents.put(doc, namespace)
         self.metrics.documents.inc(len(docs))
         return docs
+
+    def delete_document(self, doc_id: str, namespace: Namespace) -> Document | None:
+        """Remove a document's record and its chunk KV from every tier (on the engine thread, so no
+        request holds the chunk meanwhile)."""
+        doc = self.documents.delete(doc_id, namespace)
+        if doc is not None:
+            for key in doc.chunk_ids:
+                self.engine.store.delete(key)
+        return doc
 
 
 def map_engine_error(exc: BaseException) -> APIError:
@@ -285,8 +382,7 @@ def map_engine_error(exc: BaseException) -> APIError:
         message = str(exc)
         code = "context_length_exceeded" if "context" in message else "invalid_value"
         return APIError(400, message, None, code)
-    log.error("engine failure: %s", exc, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+    return internal_error(exc, "running a request on the engine")
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -294,9 +390,17 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class MetricsMiddleware:
-    """Counts every HTTP request by endpoint and status (pure ASGI: streamed bodies pass through untouched)
-    and refuses bodies over the size limit with a 413."""
+class GuardMiddleware:
+    """Pure ASGI (streamed responses pass through untouched), in front of every route:
+
+    * counts every HTTP request by endpoint and status;
+    * authenticates ``/v1`` routes and ``/metrics`` when the server has API keys (401 without a
+      valid key; 403 on ``/metrics`` for a key without the ``metrics`` permission) and leaves the
+      caller in the scope's state;
+    * reads the whole request body and refuses it with a 413 as soon as more bytes arrived than
+      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none); the app
+      then receives the body it read.
+    """
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
@@ -318,21 +422,80 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            length = dict(scope.get("headers") or []).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.state.config.max_body_bytes:
-                response = SafeJSONResponse(
-                    error_body(
-                        413, f"request body over {self.state.config.max_body_bytes} bytes", None, "too_large"
-                    ),
-                    status_code=413,
-                )
-                await response(scope, receive, send_counted)
+            refusal = self._authenticate(scope, path)
+            if refusal is None:
+                refusal, receive = await self._read_body(scope, receive)
+            if refusal is not None:
+                await refusal(scope, receive, send_counted)
                 return
             await self.app(scope, receive, send_counted)
         finally:
             metrics = self.state.metrics
             metrics.requests.labels(endpoint, str(status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    def _authenticate(self, scope: dict, path: str) -> Response | None:
+        """Leave the caller in ``scope["state"]``; a 401 / 403 response when it may not go on."""
+        keys = self.state.config.api_keys
+        guarded = path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+        principal: Principal | None = ANONYMOUS
+        if keys is not None and guarded:
+            headers = dict(scope.get("headers") or [])
+            raw = headers.get(b"authorization")
+            principal = keys.authenticate(raw.decode("latin-1") if raw is not None else None)
+            if principal is None:
+                return SafeJSONResponse(
+                    error_body(
+                        401,
+                        "missing or invalid API key: send it as 'Authorization: Bearer KEY'",
+                        None,
+                        "invalid_api_key",
+                    ),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            if path == "/metrics" and not principal.can_read_metrics:
+                return SafeJSONResponse(
+                    error_body(403, "this API key may not read /metrics", None, "permission_denied"),
+                    status_code=403,
+                )
+        scope.setdefault("state", {})[PRINCIPAL] = principal
+        return None
+
+    async def _read_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable]:
+        """(413 response or None, a receive that replays the body read)."""
+        limit = self.state.config.max_body_bytes
+        too_large = SafeJSONResponse(
+            error_body(413, f"request body over {limit} bytes", None, "too_large"), status_code=413
+        )
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return too_large, receive
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                return None, _replay(b"".join(parts), receive, first=message)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return too_large, receive
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return None, _replay(b"".join(parts), receive)
+
+
+def _replay(body: bytes, receive: Callable, first: dict | None = None) -> Callable:
+    """A receive callable that hands over ``body`` once (or ``first``), then defers to ``receive``."""
+    pending: list[dict] = [first or {"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
@@ -352,10 +515,12 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     )
     app.state.semkv = state
     install_error_handlers(app)
-    app.add_middleware(MetricsMiddleware, state=state)
+    app.add_middleware(GuardMiddleware, state=state)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        if state.config.api_keys is not None:  # unauthenticated: nothing about other tenants' activity
+            return {"status": "ok", "model": state.model_name}
         redis = "disabled" if state.redis is None else state.redis.health  # up, degraded or down
         return {
             "status": "ok",
@@ -383,30 +548,59 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         return model_card()
 
     @app.post("/v1/documents")
-    async def add_documents(body: DocumentRequest) -> dict[str, Any]:
-        docs = await _run(state, lambda: state.add_documents(body.texts))
+    async def add_documents(body: DocumentRequest, request: Request) -> dict[str, Any]:
+        principal = state.principal(request)
+        if body.shared and not principal.can_publish:
+            raise APIError(
+                403, "this API key may not publish shared documents", "shared", "permission_denied"
+            )
+        namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
+        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
-    def list_documents() -> dict[str, Any]:  # sync: reads disk / Redis off the event loop
-        return {"object": "list", "data": [d.summary() for d in state.documents.list()]}
+    def list_documents(request: Request, cache_salt: str | None = None) -> dict[str, Any]:
+        # sync: reads disk / Redis off the event loop
+        namespace = state.namespace(state.principal(request), _salt(cache_salt))
+        mine = state.documents.list(namespace)
+        shared = [] if namespace == Namespace.shared() else state.documents.list(Namespace.shared())
+        return {"object": "list", "data": [d.summary() for d in mine + shared]}
 
     @app.get("/v1/documents/{doc_id}")
-    def get_document(doc_id: str) -> dict[str, Any]:
-        doc = state.documents.get(doc_id)
-        if doc is None:
-            raise APIError(404, f"unknown document id {doc_id!r}", "doc_id", "document_not_found")
-        return {**doc.summary(), "text": doc.text}
+    def get_document(doc_id: str, request: Request, cache_salt: str | None = None) -> dict[str, Any]:
+        namespace = state.namespace(state.principal(request), _salt(cache_salt))
+        found = state.documents.resolve(doc_id, namespace)
+        if found is None:
+            raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
+        return {**found[0].summary(), "text": found[0].text}
+
+    @app.delete("/v1/documents/{doc_id}")
+    async def delete_document(doc_id: str, request: Request, cache_salt: str | None = None) -> dict[str, Any]:
+        """Delete one of the caller's documents (or a shared one it published, with the ``shared``
+        permission): the record and its chunk KV. 404 for anything else, whoever owns it."""
+        principal = state.principal(request)
+        namespace = state.namespace(principal, _salt(cache_salt))
+        if state.documents.get(doc_id, namespace) is None:
+            shared = state.documents.get(doc_id, Namespace.shared())
+            if shared is None or not principal.can_publish or shared.owner != principal.tenant:
+                raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
+            namespace = Namespace.shared()
+        deleted = await _run(state, lambda: state.delete_document(doc_id, namespace))
+        if deleted is None:
+            raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
+        return {"id": doc_id, "object": "document", "deleted": True}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         started = time.perf_counter()
         state.check_model(body.model)
+        principal = state.principal(request)
         prompts = body.prompts
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming supports a single prompt", "prompt", "invalid_value")
         calls = [
-            await run_in_threadpool(state.engine_kwargs, body, body.max_tokens, prompt=p) for p in prompts
+            await run_in_threadpool(state.engine_kwargs, body, body.max_tokens, principal, prompt=p)
+            for p in prompts
         ]
         default = state.config.completion_max_tokens
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -427,14 +621,17 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
             for i, r in enumerate(results)
         ]
-        return {**base, "choices": choices, "usage": _usage(results), "semkv": _stats(results)}
+        return {**base, "choices": choices, "usage": _usage(results), "semkv": state.stats(results)}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         started = time.perf_counter()
         state.check_model(body.model)
         messages = [m.as_engine_message() for m in body.messages]
-        kwargs = await run_in_threadpool(state.engine_kwargs, body, body.token_limit, messages=messages)
+        principal = state.principal(request)
+        kwargs = await run_in_threadpool(
+            state.engine_kwargs, body, body.token_limit, principal, messages=messages
+        )
         default = state.config.chat_max_tokens
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
@@ -459,7 +656,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
             "usage": _usage([result]),
-            "semkv": _stats([result]),
+            "semkv": state.stats([result]),
         }
 
     return app
@@ -482,10 +679,16 @@ def _usage(results: list[GenerationResult]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _stats(results: list[GenerationResult]) -> dict[str, Any] | list[dict[str, Any]]:
-    """The ``semkv`` field of a response: the engine's stats (path, reused/recomputed tokens, timings)."""
-    out = [jsonable({**r.stats, "server_ttft_s": r.ttft_s}) for r in results]
-    return out[0] if len(out) == 1 else out
+def _salt(value: str | None) -> str | None:
+    """A ``cache_salt`` query parameter, checked like the body field."""
+    if value is not None and len(value) > MAX_SALT_CHARS:
+        raise APIError(400, f"cache_salt must be at most {MAX_SALT_CHARS} characters", "cache_salt")
+    return value
+
+
+def public_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The stats a response may carry without debug_stats: the request's own counts and timings."""
+    return {name: value for name, value in stats.items() if name in PUBLIC_STATS}
 
 
 async def _stream(
@@ -533,7 +736,7 @@ async def _stream(
                         yield _sse(map_engine_error(value.exception()).body())
                     else:
                         result: GenerationResult = value.result()
-                        yield _sse(chunk(None, result.finish_reason, semkv=_stats([result])))
+                        yield _sse(chunk(None, result.finish_reason, semkv=state.stats([result])))
                         if body.include_usage:
                             yield _sse({**chunk(None), "choices": [], "usage": _usage([result])})
                     yield _sse("[DONE]")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
+from semkv.config import STORE_SECRET_ENV
+
 log = logging.getLogger(__name__)
+
+DEFAULT_DISK_MB = 10 * 1024  # serve's disk tier budget: ~46 KB per prompt token would fill a disk
 
 
 def parse_default(text: str) -> tuple[str, Any]:
@@ -61,6 +66,42 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429s")
     p.add_argument(
+        "--disk-mb",
+        type=int,
+        default=DEFAULT_DISK_MB,
+        help=f"byte budget of the disk tier, MiB; the oldest entries are removed past it "
+        f"(default {DEFAULT_DISK_MB}; 0 = unbounded)",
+    )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="API keys, one 'KEY TENANT [shared,metrics]' per line; clients send 'Authorization: Bearer KEY' "
+        "and tenants never share cached KV or documents (default: one anonymous tenant, no keys)",
+    )
+    p.add_argument(
+        "--store-secret",
+        default=None,
+        metavar="SECRET",
+        help=f"sign every stored entry (disk, Redis) with this secret; unsigned entries are misses "
+        f"(default ${STORE_SECRET_ENV}; prefer the environment: a flag is visible in the process list)",
+    )
+    p.add_argument(
+        "--debug-stats",
+        action="store_true",
+        help="return every engine stat in responses, including those about other requests' cached data "
+        "(which path reused what, share references, refusal reasons); trusted clients only",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request may take from arrival (queue + prefill + decode; default 300)",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=32.0, help="largest request body accepted, MiB (default 32)"
+    )
+    p.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.set_defaults(func=run)
@@ -72,22 +113,33 @@ def run(args: argparse.Namespace) -> int:
     from semkv.config import StoreConfig
     from semkv.engine import Engine
     from semkv.server.app import ServerConfig, create_app
+    from semkv.server.auth import APIKeys
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.disk_mb < 0:
+        raise ValueError(f"--disk-mb must be >= 0 (0 = unbounded), got {args.disk_mb}")
     config = ServerConfig(
         model_name=args.served_model_name,
         defaults=dict(args.default),
         max_queue=args.max_queue,
+        api_keys=APIKeys.from_file(args.api_keys) if args.api_keys else None,
+        debug_stats=args.debug_stats,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=int(args.max_body_mb * 1024**2),
     )
     store = StoreConfig(
         memory_bytes=args.memory_mb * 1024**2,
         disk=not args.no_disk,
+        disk_bytes=args.disk_mb * 1024**2 if args.disk_mb else None,
         redis_url=args.redis,
         redis_timeout_s=args.redis_timeout,
         redis_namespace=args.redis_namespace,
         redis_wait_replicas=args.redis_wait,
+        secret=args.store_secret or os.environ.get(STORE_SECRET_ENV) or None,
     )
+    if config.api_keys is not None:
+        log.warning("API keys on: %d keys, tenants %s", len(config.api_keys), sorted(config.api_keys.tenants))
     engine = Engine.from_args(args, store=store)
     app = create_app(engine, config)
     log.warning("semkv serving %s on http://%s:%d", app.state.semkv.model_name, args.host, args.port)

@@ -3,12 +3,15 @@
 Every failure the server answers — a validation error, malformed JSON, an unknown
 route, a prompt over the context, an engine failure — goes through here, so a
 client always gets JSON it can parse, and the status tells whose fault it was.
+A 500 never carries the exception's text (it may name files, keys or other
+requests' data): the client gets an error id, the server log has the details.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,12 +23,15 @@ log = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -48,6 +54,15 @@ def error_body(
 ) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def internal_error(exc: BaseException, what: str) -> APIError:
+    """A 500 for an unexpected exception: logged with a fresh error id, answered with the id only."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s while %s: %s: %s", error_id, what, type(exc).__name__, exc, exc_info=exc)
+    return APIError(
+        500, f"internal server error (error id {error_id}; see the server log)", None, "internal_error"
+    )
 
 
 class SafeJSONResponse(JSONResponse):
@@ -106,5 +121,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+        error = internal_error(exc, f"serving {request.method} {request.url.path}")
+        return SafeJSONResponse(error.body(), status_code=500)

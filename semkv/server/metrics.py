@@ -3,7 +3,9 @@
 Request metrics are updated as requests finish; store metrics are read from the
 store's counters at scrape time (one source of truth, nothing double-counted):
 every field of every tier's stats becomes ``semkv_store_tier_<field>_total{tier=...}``,
-plus ``semkv_store_tier_bytes`` / ``semkv_store_tier_entries`` gauges.
+plus ``semkv_store_tier_bytes`` / ``semkv_store_tier_entries`` gauges. Background work that
+failed without failing a request (a post-prefill hook, a share index or document record write)
+is ``semkv_background_failures_total{what=...}``.
 """
 
 from __future__ import annotations
@@ -54,8 +56,27 @@ class StoreCollector:
         yield entries
 
 
+class FailureCollector:
+    """Reads the counts of background work that failed (``what`` -> count) when scraped."""
+
+    def __init__(self, failures_of: Callable[[], dict[str, int]]) -> None:
+        self.failures_of = failures_of
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "semkv_background_failures",
+            "post-prefill hooks and index / record writes that failed (the requests were served)",
+            labels=["what"],
+        )
+        for what, count in sorted(self.failures_of().items()):
+            family.add_metric([what], float(count))
+        yield family
+
+
 class ServerMetrics:
-    def __init__(self, store_of: Callable[[], Any]) -> None:
+    def __init__(
+        self, store_of: Callable[[], Any], failures_of: Callable[[], dict[str, int]] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -92,6 +113,8 @@ class ServerMetrics:
             "semkv_document_tokens_precomputed", "tokens of chunk KV precomputed for documents", registry=r
         )
         r.register(StoreCollector(store_of))
+        if failures_of is not None:
+            r.register(FailureCollector(failures_of))
 
     def observe_generation(self, stats: dict[str, Any], completion_tokens: int, ttft_s: float | None) -> None:
         path = str(stats.get("path", "unknown"))

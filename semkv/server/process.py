@@ -30,7 +30,7 @@ class ServeProcess(HTTPProcess):
     ) -> None:
         port = port or free_port()
         self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "semkv.cli", "serve", "--model", str(model), "--home", str(self.home)]
         cmd += ["--port", str(port), *extra]
         super().__init__(cmd, port, log_path or self.home / "serve.log", "semkv serve", cpus)

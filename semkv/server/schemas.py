@@ -1,5 +1,8 @@
 """Request bodies of the OpenAI-compatible API (validated with pydantic, strict types).
 
+``cache_salt`` (a top-level field, as in vLLM) puts the request in its own cache namespace
+within the caller's tenant: only requests with the same salt reuse each other's KV.
+
 The ``semkv`` extension field (``extra_body={"semkv": {...}}`` in the ``openai``
 client) carries what OpenAI has no field for::
 
@@ -9,9 +12,10 @@ client) carries what OpenAI has no field for::
         "reuse": "auto", ...               # any other key: an option of Engine.generate
     }
 
-Engine options are validated by building the engine's own ``GenerateRequest``, so the
-set of accepted options grows with the engine (blend, share, sparse settings) and a
-bad value is a 400, never a failure inside the engine.
+Engine options are validated field by field (:mod:`semkv.server.options`) by building
+the engine's own configs, so the set of accepted options grows with the engine (blend,
+share, sparse settings) and a bad value is a 400 naming it, never a failure inside the
+engine.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from semkv.request import MAX_NEW_TOKENS_LIMIT
 
 MAX_CONTEXT_ITEMS = 64
 MAX_STOP = 4
+MAX_SALT_CHARS = 256
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -77,6 +82,9 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
     user: Text | None = None
+    cache_salt: Text | None = Field(
+        None, max_length=MAX_SALT_CHARS, description="vLLM's per-request cache salt"
+    )
     semkv: SemkvExtension | None = None
 
     @field_validator("stop")
@@ -169,9 +177,14 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class DocumentRequest(_Strict):
-    """``POST /v1/documents``: each input string is one document, stored as one context chunk."""
+    """``POST /v1/documents``: each input string is one document, stored as one context chunk.
+
+    shared: publish to every tenant (the API key needs the ``shared`` permission); else the documents
+    belong to the caller's namespace (tenant + ``cache_salt``)."""
 
     input: NonEmptyStr | list[NonEmptyStr]
+    shared: bool = False
+    cache_salt: Text | None = Field(None, max_length=MAX_SALT_CHARS)
 
     @field_validator("input")
     @classmethod

@@ -1,10 +1,11 @@
 """Paged, content-addressed KV store: keys, entries, tiers."""
 
-from semkv.store.entry import CorruptEntry, KVEntry, decode, encode
+from semkv.store.entry import CorruptEntry, KVEntry, UnauthenticatedEntry, decode, encode
 from semkv.store.keys import (
     FORMAT_VERSION,
     EntryKey,
     EntryKind,
+    Namespace,
     block_key,
     chunk_key,
     prefix_block_keys,
@@ -22,9 +23,11 @@ __all__ = [
     "KVEntry",
     "KVStore",
     "MemoryTier",
+    "Namespace",
     "StoreStats",
     "Tier",
     "TierStats",
+    "UnauthenticatedEntry",
     "block_key",
     "chunk_key",
     "decode",

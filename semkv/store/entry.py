@@ -8,11 +8,21 @@ The header names the entry (key, kind, fingerprint, block size, parent, metadata
 and carries the sha256 of the payload and of the header itself; :func:`decode`
 checks the magic, the format version and both checksums, and raises
 :class:`CorruptEntry` on any mismatch so a damaged entry is a miss, never wrong KV.
+
+Checksums stop accidents, not an attacker: keys, fingerprints and checksums are all
+computable from public data. A deployment that sets a **store secret** signs every
+entry it writes: the header carries ``hmac`` = HMAC-SHA256(secret, canonical header
+without its checksums), which covers the payload through ``payload_sha256``. Decoding
+with the secret raises :class:`UnauthenticatedEntry` (a :class:`CorruptEntry`) for an
+entry without a valid HMAC, so whoever can write to the disk folder or to Redis but
+does not hold the secret can only cause misses. :func:`check_tensors` checks what the
+HMAC cannot: that a decoded entry's KV has the model's shape and is finite.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass, field
@@ -30,6 +40,13 @@ MAGIC = b"SEMKV\x00\x01\x00"
 
 class CorruptEntry(ValueError):
     """Raised when stored bytes are not a valid entry of this format version."""
+
+
+class UnauthenticatedEntry(CorruptEntry):
+    """Raised when a store secret is set and an entry carries no valid HMAC under it."""
+
+
+HMAC_FIELD = "hmac"
 
 
 @dataclass
@@ -71,7 +88,8 @@ class KVEntry:
         return total + sum(t.numel() * t.element_size() for t in self.extras.values())
 
 
-def encode(entry: KVEntry) -> bytes:
+def encode(entry: KVEntry, secret: bytes | None = None) -> bytes:
+    """The entry's bytes; with ``secret``, its header carries an HMAC under it."""
     tensors = {
         "k": entry.k.contiguous(),
         "v": entry.v.contiguous(),
@@ -90,6 +108,8 @@ def encode(entry: KVEntry) -> bytes:
         "payload_sha256": hashlib.sha256(payload).hexdigest(),
     }
     fields = json.loads(json.dumps(fields))  # normalized: what decode will parse back
+    if secret is not None:
+        fields[HMAC_FIELD] = _hmac(secret, fields)
     fields[HEADER_CHECKSUM] = _header_digest(fields)
     header = json.dumps(fields, sort_keys=True).encode()
     return MAGIC + struct.pack("<Q", len(header)) + header + payload
@@ -104,9 +124,25 @@ def _header_digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def decode(data: bytes) -> KVEntry:
-    """Bytes -> entry; :class:`CorruptEntry` for anything damaged, truncated or of another version."""
+def _hmac(secret: bytes, fields: dict[str, Any]) -> str:
+    """HMAC-SHA256 of the header's canonical JSON without its checksum and HMAC fields."""
+    body = {name: value for name, value in fields.items() if name not in (HEADER_CHECKSUM, HMAC_FIELD)}
+    return hmac.new(secret, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def check_hmac(header: dict[str, Any], secret: bytes) -> None:
+    """Raise :class:`UnauthenticatedEntry` unless ``header`` carries the HMAC of ``secret``."""
+    got = header.get(HMAC_FIELD)
+    if not isinstance(got, str) or not hmac.compare_digest(got, _hmac(secret, header)):
+        raise UnauthenticatedEntry("missing or wrong HMAC (written without this deployment's store secret)")
+
+
+def decode(data: bytes, secret: bytes | None = None) -> KVEntry:
+    """Bytes -> entry; :class:`CorruptEntry` for anything damaged, truncated or of another version,
+    :class:`UnauthenticatedEntry` when ``secret`` is given and the entry is not signed with it."""
     header, payload = _split(data)
+    if secret is not None:
+        check_hmac(header, secret)
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
         raise CorruptEntry("payload checksum mismatch")
     try:
@@ -176,3 +212,27 @@ def read_header(data: bytes) -> dict[str, Any]:
 
 
 HEADER_PEEK_BYTES = 64 * 1024  # enough for any header semkv writes (meta stays small)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The per-token KV shape of one model: k and v are [num_layers, num_kv_heads, n, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def check_tensors(entry: KVEntry, shape: KVShape | None) -> str | None:
+    """Why a decoded entry's tensors cannot be loaded (wrong shape, non-finite values), or None."""
+    k, v = entry.k, entry.v
+    if shape is not None:
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        if (k.shape[0], k.shape[1], k.shape[3]) != want:
+            return f"KV of shape {tuple(k.shape)} does not fit the model's [L, kvh, n, d] = {want}"
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        return "KV holds NaN or infinite values"
+    for name, extra in entry.extras.items():
+        if extra.is_floating_point() and not bool(torch.isfinite(extra).all()):
+            return f"extra tensor {name!r} holds NaN or infinite values"
+    return None

@@ -29,6 +29,16 @@ breaker for that master's replication, so its writes skip WAIT for ``base_backof
 WAIT keeps failing) instead of paying the WAIT timeout on every write. The
 masters are *not* run with ``min-replicas-to-write``: a cache keeps accepting writes without a
 replica, it only stops promising that they survive a second failure.
+
+**Refusals.** A command Redis *answers* with an error (``OOM command not allowed`` under
+``noeviction``, a refused write, an ACL denial) fails that call only: the node is up, so it never opens
+a circuit and reads go on (counted ``refused``). Cluster answers about topology (MOVED/ASK, CLUSTERDOWN,
+TRYAGAIN, READONLY from a demoted master) are failures as before. Values over ``max_value_bytes`` are
+not sent at all (counted ``oversize``).
+
+**Integrity.** With a store ``secret`` every value carries an HMAC (:mod:`semkv.store.entry`); a value
+without a valid one (written by someone who can reach Redis but lacks the secret) is a miss and is
+deleted.
 """
 
 from __future__ import annotations
@@ -44,10 +54,10 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import AskError, RedisClusterException
+from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
-from semkv.store.entry import CorruptEntry, KVEntry, decode, encode
+from semkv.store.entry import CorruptEntry, KVEntry, UnauthenticatedEntry, decode, encode
 from semkv.store.keys import EntryKey, is_valid_key
 from semkv.store.tiers import TierStats
 
@@ -58,17 +68,30 @@ T = TypeVar("T")
 # Everything a Redis call can raise when Redis (or one node) is down, hanging, or refusing.
 REDIS_FAILURES = (redis.RedisError, RedisClusterException, OSError)
 
+# Answers about the cluster's topology: the node may be down or no longer serve the slot.
+TOPOLOGY_ERRORS = (ClusterDownError, AskError, TryAgainError, ReadOnlyError)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True for an error *answer* to one command (OOM under ``noeviction``, an ACL denial): the node is
+    up. Connection errors, timeouts and topology answers are not refusals."""
+    return isinstance(exc, redis.ResponseError) and not isinstance(exc, TOPOLOGY_ERRORS)
+
 
 @dataclass
 class RedisTierStats(TierStats):
     """TierStats plus: ``unavailable`` calls answered as misses while a circuit was open, ``outages``
     times a circuit opened, ``failovers`` nodes seen taking over slots (a replica promoted, or a new
-    master), ``unreplicated`` writes stored but not acknowledged by the replicas WAIT asked for."""
+    master), ``unreplicated`` writes stored but not acknowledged by the replicas WAIT asked for,
+    ``refused`` commands Redis answered with an error (e.g. a write under ``noeviction`` at
+    ``maxmemory``), ``oversize`` values not sent (over the size cap)."""
 
     unavailable: int = 0
     outages: int = 0
     failovers: int = 0
     unreplicated: int = 0
+    refused: int = 0
+    oversize: int = 0
 
 
 class CircuitBreaker:
@@ -164,6 +187,8 @@ class RedisTier:
     wait_replicas: replicas that must hold a write before it is acknowledged (WAIT); None: 1 when the
         deployment has replicas when first reached, else 0.
     wait_timeout_s: the WAIT timeout (default ``timeout_s / 2``; must be below ``timeout_s``).
+    secret: the store secret; values are signed with it and unsigned values are misses.
+    max_value_bytes: entries larger than this are not written to Redis (they stay in the local tiers).
     """
 
     name = "redis"
@@ -178,7 +203,13 @@ class RedisTier:
         max_backoff_s: float = 30.0,
         wait_replicas: int | None = None,
         wait_timeout_s: float | None = None,
+        secret: bytes | None = None,
+        max_value_bytes: int = 64 * 1024**2,
     ) -> None:
+        if max_value_bytes < 1:
+            raise ValueError(f"max_value_bytes must be >= 1, got {max_value_bytes}")
+        self.secret = secret
+        self.max_value_bytes = max_value_bytes
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if ttl_s is not None and ttl_s <= 0:
@@ -303,6 +334,9 @@ class RedisTier:
         try:
             result = fn()
         except REDIS_FAILURES as exc:
+            if is_refusal(exc):
+                self._refused(breaker, label, exc)
+                return default
             self.stats.errors += 1
             if breaker.failure():
                 self.stats.outages += 1
@@ -387,6 +421,21 @@ class RedisTier:
             return [] if self.breaker.closed else [redact(self.url)]
         return sorted(name for name in self._masters if not self._node_breaker(name).closed)
 
+    def _refused(self, breaker: CircuitBreaker, label: str, exc: BaseException) -> None:
+        """Redis answered a command with an error: that call failed, the node is up (its circuit stays
+        closed, or closes: a half-open trial got an answer)."""
+        self.stats.errors += 1
+        self.stats.refused += 1
+        breaker.success()
+        if self.stats.refused == 1 or self.stats.refused % 1000 == 0:
+            log.warning(
+                "%s refused a command (%s: %s; %d so far); reads go on",
+                label,
+                type(exc).__name__,
+                exc,
+                self.stats.refused,
+            )
+
     @property
     def available(self) -> bool:
         """False while Redis cannot serve anything (one node: its circuit is open; a cluster: it is not
@@ -457,8 +506,9 @@ class RedisTier:
             # MOVED or ASK: the slot moved since the slot map was read; the cluster client follows it
             replication.failure()
             return bool(client.set(name, data, nx=nx, px=px)), False
-        except BaseException:
-            replication.failure()
+        except BaseException as exc:
+            if not is_refusal(exc):  # a refused SET (OOM) says nothing about the replicas
+                replication.failure()
             raise
         if int(replicas) >= target:
             if not replication.closed:
@@ -500,6 +550,10 @@ class RedisTier:
         data = self.call(lambda c: c.get(name), None, key=name)
         return None if data is None else bytes(data)
 
+    def delete_record(self, kind: str, ident: str) -> None:
+        name = self.record_key(kind, ident)
+        self.call(lambda c: c.delete(name), 0, key=name)
+
     # -- Tier ----------------------------------------------------------------------------------------
     def get(self, key: EntryKey) -> KVEntry | None:
         name = self.redis_key(key)
@@ -508,11 +562,14 @@ class RedisTier:
             self.stats.misses += 1
             return None
         try:
-            entry = decode(bytes(data))
+            entry = decode(bytes(data), self.secret)
             if entry.key != key:
                 raise CorruptEntry(f"value holds entry {entry.key[:12]}, not {key[:12]}")
         except CorruptEntry as exc:
-            self.stats.corrupt += 1
+            if isinstance(exc, UnauthenticatedEntry):
+                self.stats.unauthenticated += 1
+            else:
+                self.stats.corrupt += 1
             self.stats.misses += 1
             log.warning("damaged Redis entry %s removed: %s", key[:12], exc)
             self.call(lambda c: c.delete(name), 0, key=name)
@@ -524,8 +581,15 @@ class RedisTier:
     def put(self, entry: KVEntry) -> bool:
         """SET NX (entries are content-addressed: an existing value is the same entry); True when Redis
         holds it and, with replicas, WAIT confirmed them (an unacknowledged write may still be stored)."""
+        if entry.nbytes > self.max_value_bytes:  # not even encoded: the tensors alone are over the cap
+            self.stats.oversize += 1
+            return False
+        data = encode(entry, self.secret)
+        if len(data) > self.max_value_bytes:
+            self.stats.oversize += 1
+            return False
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
-        return self._put_bytes(self.redis_key(entry.key), encode(entry), nx=True, px=px)
+        return self._put_bytes(self.redis_key(entry.key), data, nx=True, px=px)
 
     def delete(self, key: EntryKey) -> None:
         name = self.redis_key(key)

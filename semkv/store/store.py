@@ -1,4 +1,8 @@
-"""The tiered KV store: read-through, write-through, ownership checked on every hit."""
+"""The tiered KV store: read-through, write-through, ownership checked on every hit.
+
+An entry read from a tier below memory (decoded from bytes someone else may have written) is also
+checked for the model's KV shape and for finite values before it is served or promoted.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from semkv.config import StoreConfig
-from semkv.store.entry import KVEntry
+from semkv.store.entry import KVEntry, KVShape, check_tensors
 from semkv.store.keys import EntryKey, EntryKind
 from semkv.store.tiers import DiskTier, MemoryTier, Tier
 
@@ -26,6 +30,7 @@ class StoreStats:
     mismatches: int = 0  # an entry was found under the key but belongs to other tokens/model/kind
     puts: int = 0
     tier_errors: int = 0  # a tier raised; the call was treated as a miss / a skipped write
+    invalid: int = 0  # a decoded entry had the wrong KV shape or non-finite values (a miss)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -34,19 +39,24 @@ class StoreStats:
 class KVStore:
     """Tiers fastest first. A lower-tier hit is promoted into the faster tiers."""
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: str) -> None:
+    def __init__(self, tiers: Sequence[Tier], fingerprint: str, shape: KVShape | None = None) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers: list[Tier] = list(tiers)
         self.fingerprint = fingerprint
+        self.shape = shape
         self.stats = StoreStats()
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: StoreConfig, home: Path, fingerprint: str) -> KVStore:
+    def from_config(
+        cls, config: StoreConfig, home: Path, fingerprint: str, shape: KVShape | None = None
+    ) -> KVStore:
+        """shape: the model's KV shape, checked on every entry decoded from disk or Redis."""
+        secret = None if config.secret is None else config.secret.encode("utf-8")
         tiers: list[Tier] = [MemoryTier(config.memory_bytes)]
         if config.disk:
-            tiers.append(DiskTier(Path(home) / "store", config.disk_bytes))
+            tiers.append(DiskTier(Path(home) / "store", config.disk_bytes, secret=secret))
         if config.redis_url:
             from semkv.store.redis_tier import RedisTier
 
@@ -56,9 +66,11 @@ class KVStore:
                     timeout_s=config.redis_timeout_s,
                     namespace=config.redis_namespace,
                     wait_replicas=config.redis_wait_replicas,
+                    secret=secret,
+                    max_value_bytes=config.redis_max_value_bytes,
                 )
             )
-        return cls(tiers, fingerprint)
+        return cls(tiers, fingerprint, shape)
 
     @property
     def memory(self) -> MemoryTier | None:
@@ -124,6 +136,15 @@ class KVStore:
                     "entry %s in tier %s does not match the request; treated as a miss", key[:12], tier.name
                 )
                 continue
+            if not isinstance(tier, MemoryTier):
+                problem = check_tensors(entry, self.shape)
+                if problem is not None:
+                    self.stats.invalid += 1
+                    log.warning(
+                        "entry %s in tier %s refused: %s; treated as a miss", key[:12], tier.name, problem
+                    )
+                    self._drop(tier, key)
+                    continue
             for faster in self.tiers[:depth]:
                 self._put_into(faster, entry)
             self.stats.hits += 1
@@ -171,6 +192,13 @@ class KVStore:
         self.stats.puts += 1
         stored = [self._put_into(tier, entry) for tier in self.tiers]
         return any(stored)
+
+    def _drop(self, tier: Tier, key: EntryKey) -> None:
+        """Remove an unusable entry from one tier (so a good one can be written there); never raises."""
+        try:
+            tier.delete(key)
+        except Exception as exc:
+            self._tier_failed(tier, "delete", key, exc)
 
     def delete(self, key: EntryKey) -> None:
         for tier in self.tiers:

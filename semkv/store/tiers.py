@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from semkv.store.entry import CorruptEntry, KVEntry, decode, encode
+from semkv.config import private_mkdir
+from semkv.store.entry import CorruptEntry, KVEntry, UnauthenticatedEntry, decode, encode
 from semkv.store.keys import EntryKey, is_valid_key
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class TierStats:
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    unauthenticated: int = 0  # entries without a valid HMAC under the store secret (treated as misses)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -196,22 +198,35 @@ class MemoryTier:
 class DiskTier:
     """One file per entry under ``root/<key[:2]>/<key>.skv``.
 
-    Writes go to a temp file in the same folder, are fsynced and renamed, so a
-    reader sees either nothing or a whole entry; temp files left by a killed writer
-    are swept at start. Reads verify the checksum; a damaged file is moved to
-    ``root/quarantine`` and counted, and the read is a miss.
+    Writes go to a temp file in the same folder (mode 0600), are fsynced and renamed, and the
+    folder is fsynced, so a reader sees either nothing or a whole entry, also after a power cut;
+    temp files left by a killed writer are swept at start. Reads verify the checksum (and the HMAC
+    when ``secret`` is set); a damaged or unsigned file is moved to ``root/quarantine`` and
+    counted, and the read is a miss.
+
+    budget_bytes: the oldest files are removed once the folder holds more, down to ``LOW_WATER`` of
+    the budget (so a full folder is not listed on every write); the total is counted once and then
+    kept up to date by this process's writes (recounted every ``RECOUNT_EVERY`` writes, so other
+    processes' writes to the same folder are seen too).
     """
 
     name = "disk"
     SUFFIX = ".skv"
     TMP_PREFIX = ".tmp-"
 
-    def __init__(self, root: Path, budget_bytes: int | None = None) -> None:
+    RECOUNT_EVERY = 256
+    LOW_WATER = 0.9
+
+    def __init__(self, root: Path, budget_bytes: int | None = None, secret: bytes | None = None) -> None:
         self.root = Path(root)
         self.budget_bytes = budget_bytes
+        self.secret = secret
         self.stats = TierStats()
+        self._usage: int | None = None  # bytes of entry files as last counted + written since
+        self._writes_since_count = 0
+        self._usage_lock = threading.Lock()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            private_mkdir(self.root)
         except OSError as exc:
             raise OSError(f"cannot create the cache folder {self.root}: {exc}") from exc
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
@@ -252,7 +267,9 @@ class DiskTier:
     def _files(self) -> Iterator[Path]:
         return self.root.glob(f"*/*{self.SUFFIX}")
 
-    def quarantine(self, path: Path, reason: str, inode: tuple[int, int] | None = None) -> None:
+    def quarantine(
+        self, path: Path, reason: str, inode: tuple[int, int] | None = None, unauthenticated: bool = False
+    ) -> None:
         """Move a damaged file to ``root/quarantine`` (or delete it); never raises.
 
         inode: (st_dev, st_ino) of the damaged file that was read. If another process
@@ -280,7 +297,10 @@ class DiskTier:
                     return
             except OSError:
                 pass
-        self.stats.corrupt += 1
+        if unauthenticated:
+            self.stats.unauthenticated += 1
+        else:
+            self.stats.corrupt += 1
         log.warning("quarantined damaged cache entry %s: %s", path.name, reason)
 
     def read_file(self, path: Path) -> tuple[bytes, tuple[int, int]]:
@@ -302,11 +322,11 @@ class DiskTier:
             log.warning("cannot read cache entry %s: %s", path, exc)
             return None
         try:
-            entry = decode(data)
+            entry = decode(data, self.secret)
             if entry.key != key:
                 raise CorruptEntry(f"file holds entry {entry.key[:12]}, not {key[:12]}")
         except CorruptEntry as exc:
-            self.quarantine(path, str(exc), inode)
+            self.quarantine(path, str(exc), inode, isinstance(exc, UnauthenticatedEntry))
             self.stats.misses += 1
             return None
         self.stats.hits += 1
@@ -317,11 +337,12 @@ class DiskTier:
         path = self.path(entry.key)
         if path.is_file():
             return True
-        data = encode(entry)
+        data = encode(entry, self.secret)
         tmp = path.parent / f"{self.TMP_PREFIX}{entry.key}.{os.getpid()}.{threading.get_ident()}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as fh:
+            private_mkdir(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -342,10 +363,29 @@ class DiskTier:
         self.stats.writes += 1
         self.stats.bytes_written += len(data)
         if self.budget_bytes is not None:
-            self._enforce_budget(keep=path)
+            self._account(len(data), keep=path)
         return True
 
-    def _enforce_budget(self, keep: Path) -> None:
+    def _account(self, added: int, keep: Path) -> None:
+        """Add a write to the running total; recount and evict when over the budget (or now and then)."""
+        assert self.budget_bytes is not None
+        with self._usage_lock:
+            self._writes_since_count += 1
+            if self._usage is not None:
+                self._usage += added
+            recount = (
+                self._usage is None
+                or self._usage > self.budget_bytes
+                or self._writes_since_count >= self.RECOUNT_EVERY
+            )
+            if recount:
+                self._usage = self._enforce_budget(keep)
+                self._writes_since_count = 0
+
+    def _enforce_budget(self, keep: Path) -> int:
+        """Remove the oldest files until the folder holds at most ``LOW_WATER`` of the budget (if it is
+        over the budget); returns the bytes left."""
+        assert self.budget_bytes is not None
         files = []
         for f in self._files():
             try:
@@ -354,14 +394,18 @@ class DiskTier:
                 continue
             files.append((st.st_mtime_ns, st.st_size, f))
         total = sum(size for _, size, _ in files)
+        if total <= self.budget_bytes:
+            return total
+        target = int(self.budget_bytes * self.LOW_WATER)
         for _, size, f in sorted(files):
-            if total <= self.budget_bytes:
+            if total <= target:
                 break
             if f == keep:
                 continue
             f.unlink(missing_ok=True)
             total -= size
             self.stats.evictions += 1
+        return total
 
     def delete(self, key: EntryKey) -> None:
         try:
@@ -393,7 +437,7 @@ class DiskTier:
         """Append one process's counters to ``root/usage.jsonl`` (one short O_APPEND write; never raises)."""
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
         try:
-            fd = os.open(self.root / self.USAGE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.root / self.USAGE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 os.write(fd, line)
             finally:

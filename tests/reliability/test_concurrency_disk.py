@@ -118,10 +118,10 @@ def test_reader_and_new_process_during_a_held_write(tmp_path):
 def _slow_quarantiner(root, key, read_done, go_on, results) -> None:
     real_decode = tiers_module.decode
 
-    def decode_then_wait(data):
+    def decode_then_wait(data, secret=None):
         read_done.set()
         assert go_on.wait(30)
-        return real_decode(data)  # raises CorruptEntry: the bytes read were damaged
+        return real_decode(data, secret)  # raises CorruptEntry: the bytes read were damaged
 
     tiers_module.decode = decode_then_wait
     tier = DiskTier(root)

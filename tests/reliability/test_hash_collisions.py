@@ -46,7 +46,7 @@ def assert_same(g, ref):
     torch.testing.assert_close(g.first_logits, ref.first_logits, atol=1e-5, rtol=0)
 
 
-def parentless_block_key(fingerprint, block_size, parent, token_ids):
+def parentless_block_key(fingerprint, block_size, parent, token_ids, namespace=None):
     return keys_module.hash_fields(1, "block", fingerprint, block_size, None, list(token_ids))
 
 

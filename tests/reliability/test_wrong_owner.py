@@ -25,7 +25,7 @@ from tests.conftest import tiny_hf_model
 from tests.reliability.reliability_helpers import PROMPT, block_keys_of, engine_at
 
 
-def index_only_block_key(fingerprint, block_size, parent, token_ids):
+def index_only_block_key(fingerprint, block_size, parent, token_ids, namespace=None):
     return keys_module.hash_fields("index-only", parent)
 
 

@@ -104,11 +104,11 @@ def test_share_config_schedules_and_validation():
     assert decay == {1: 0.4, 2: 0.2, 3: 0.1, 4: 0.05, 5: 0.05}
     assert ShareConfig(schedule="constant", constant_ratio=0.1).ratios(3) == {1: 0.1, 2: 0.1}
     for bad, message in (
-        (dict(first_ratio=1.5), "first_ratio must be in"),
-        (dict(schedule="linear"), "schedule must be 'exponential' or 'constant'"),
-        (dict(unmatched="keep"), "unmatched must be 'recompute' or 'drop'"),
+        (dict(first_ratio=1.5), r"first_ratio must be a number in \[0, 1\]"),
+        (dict(schedule="linear"), "schedule must be one of 'exponential', 'constant'"),
+        (dict(unmatched="keep"), "unmatched must be one of 'recompute', 'drop'"),
         (dict(decay=0), "decay must be in"),
-        (dict(min_match_rate=-0.1), "min_match_rate must be in"),
+        (dict(min_match_rate=-0.1), r"min_match_rate must be a number in \[0, 1\]"),
     ):
         with pytest.raises(ValueError, match=message):
             ShareConfig(**bad)

@@ -31,9 +31,10 @@ class RoutedPair:
 
 
 def start_routed_pair(checkpoint: Path, redis_url: str, workdir: Path, *extra: str) -> RoutedPair:
-    """Backends with memory tier 0 and no disk (every KV hit is read from the cluster), float32 KV
+    """Backends (engine stats in every answer: ``--debug-stats``) with memory tier 0 and no disk (every KV hit is read from the cluster), float32 KV
     (reuse is exact), block size 4, one torch thread each; the router polls /health every 0.5 s."""
     args = ("--served-model-name", TINY, "--threads", "1", "--kv-dtype", "float32", "--block-size", "4")
+    args += ("--debug-stats",)  # the tests read the engine stats (path, reused tokens) of each answer
     args += ("--redis", redis_url, "--redis-timeout", "0.5", "--no-disk", "--memory-mb", "0", *extra)
     backends = [
         ServeProcess(checkpoint, workdir / f"home-{i}", *args, log_path=workdir / f"serve-{i}.log")

@@ -1,8 +1,16 @@
-"""Server fixtures: an app over a tiny random-weight engine, clients, and ``semkv serve`` subprocesses."""
+"""Server fixtures: an app over a tiny random-weight engine, clients, and ``semkv serve`` subprocesses.
+
+The apps and servers here run with ``debug_stats`` (``--debug-stats``) unless a test passes its own
+config: these tests check which path served a request and how much it reused, which a server only
+tells trusted clients (``tests/server/test_tenants.py`` checks what the default hides)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from semkv.server import ServerConfig, create_app
@@ -18,7 +26,7 @@ def tiny_app(make_tiny_engine):
     def make(config: ServerConfig | None = None, **engine_kwargs):
         engine = make_tiny_engine("llama", **engine_kwargs)
         engine.name = TINY
-        return create_app(engine, config or ServerConfig())
+        return create_app(engine, config or ServerConfig(debug_stats=True))
 
     return make
 
@@ -38,7 +46,9 @@ def module_client_factory(tmp_path_factory, tokenizer, tiny_model_factory):
             model="llama", home=home, kv_dtype="float32", block_size=4, compute_dtype="float32"
         )
         engine = Engine(engine_config, tiny_model_factory("llama", len(tokenizer)), tokenizer, name=TINY)
-        c = TestClient(create_app(engine, config or ServerConfig()), raise_server_exceptions=False)
+        c = TestClient(
+            create_app(engine, config or ServerConfig(debug_stats=True)), raise_server_exceptions=False
+        )
         c.__enter__()
         clients.append(c)
         return c
@@ -74,7 +84,15 @@ def serve_process():
     def start(model, home, *extra, name=TINY) -> ServeProcess:
         log_path = home.parent / f"{home.name}-serve.log"
         proc = ServeProcess(
-            model, home, "--served-model-name", name, "--threads", "1", *extra, log_path=log_path
+            model,
+            home,
+            "--served-model-name",
+            name,
+            "--threads",
+            "1",
+            "--debug-stats",
+            *extra,
+            log_path=log_path,
         )
         started.append(proc)
         return proc
@@ -82,3 +100,28 @@ def serve_process():
     yield start
     for proc in started:
         proc.stop(timeout=15)
+
+
+@pytest.fixture
+def live_server(tiny_app):
+    """start(config=None, app=None) -> base URL of a uvicorn server over a tiny app (or ``app``), on a free
+    loopback port, in a thread (so a test can reach it with raw sockets and read its app's state)."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(config: ServerConfig | None = None, app=None) -> str:
+        app = app if app is not None else tiny_app(config)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)

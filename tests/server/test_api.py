@@ -135,7 +135,7 @@ def test_server_defaults_and_overrides(tiny_app):
     """Server-wide engine defaults apply unless the request's semkv field overrides them; bad defaults fail."""
     from fastapi.testclient import TestClient
 
-    app = tiny_app(ServerConfig(defaults={"reuse": "none"}))
+    app = tiny_app(ServerConfig(defaults={"reuse": "none"}, debug_stats=True))
     with TestClient(app) as c:
         request = {"model": TINY, "prompt": "A long shared system prompt " * 8, "max_tokens": 2}
         c.post("/v1/completions", json=request)

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from semkv.server import ServerConfig
 from tests.conftest import tiny_hf_model
@@ -34,30 +33,16 @@ SHARED = "You are a helpful assistant who answers questions about the weather in
 
 
 @pytest.fixture
-def live_server(tiny_app, tokenizer):
-    """start(config=None) -> base URL of a uvicorn server over a tiny app, on a free loopback port.
-
-    The tiny model's weights are drawn 5x wider than the default so its greedy output depends on the
-    prompt (with the default init and a small vocabulary, distinct prompts can all give one output)."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+def live_server(live_server, tiny_app, tokenizer):
+    """start(config=None) -> base URL of a live server (tests/server/conftest.py) over a tiny app whose
+    weights are drawn 5x wider than the default so its greedy output depends on the prompt (with the
+    default init and a small vocabulary, distinct prompts can all give one output)."""
 
     def start(config: ServerConfig | None = None) -> str:
-        app = tiny_app(config, hf_model=tiny_hf_model("llama", len(tokenizer), initializer_range=0.1))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{port}"
+        hf_model = tiny_hf_model("llama", len(tokenizer), initializer_range=0.1)
+        return live_server(app=tiny_app(config, hf_model=hf_model))
 
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return start
 
 
 def make_requests() -> list[tuple[str, dict]]:

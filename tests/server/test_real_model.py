@@ -6,7 +6,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from semkv.server import create_app
+from semkv.server import ServerConfig, create_app
 
 pytestmark = pytest.mark.real_model
 
@@ -17,7 +17,7 @@ QUESTION = "Who is the head librarian of the Tromso public library?"
 def test_openai_client_against_smollm2(make_smol_engine):
     """A factual chat answer; a document uploaded once then blended, answering like full prefill."""
     engine = make_smol_engine()
-    with TestClient(create_app(engine)) as http:
+    with TestClient(create_app(engine, ServerConfig(debug_stats=True))) as http:
         oai = openai.OpenAI(
             base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
         )

@@ -8,14 +8,14 @@ import time
 
 from fastapi.testclient import TestClient
 
-from semkv.server import create_app
+from semkv.server import ServerConfig, create_app
 from semkv.server.process import free_port
 
 
 def test_server_serves_with_redis_down(make_tiny_engine):
     engine = make_tiny_engine("llama", redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=0.5)
     engine.name = "tiny"
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, ServerConfig(debug_stats=True))) as client:
         assert client.get("/health").json()["redis"] == "down"
         request = {
             "model": "tiny",

@@ -202,10 +202,11 @@ def test_disk_tier_roundtrip_sweep_and_quarantine(tmp_path):
 
 
 def test_disk_budget_removes_oldest(tmp_path):
-    """A put over the budget removes the least recently written files first, never the new one."""
+    """A put over the budget removes the least recently written files first, never the new one, down to
+    the tier's low-water mark (``LOW_WATER`` of the budget)."""
     a, b, c, d = entry([1, 1]), entry([2, 2]), entry([3, 3]), entry([4, 4, 4, 4])
     size = len(encode(a))
-    tier = DiskTier(tmp_path, budget_bytes=2 * size)
+    tier = DiskTier(tmp_path, budget_bytes=int(2 * size / DiskTier.LOW_WATER) + 1)  # low water: 2 entries
     for i, e in enumerate((a, b)):
         assert tier.put(e)
         os.utime(tier.path(e.key), ns=(i * 10**9, i * 10**9))  # a older than b

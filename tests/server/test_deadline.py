@@ -1,0 +1,82 @@
+"""Every request has a deadline (``request_timeout_s`` from its arrival), whatever runs the engine.
+
+Injected (a real uvicorn server in a thread, deadline 0.25 s): a completion asking for 2000 tokens
+without stopping at EOS (the tiny model takes 0.5 to 4 ms a token, so 1 to 8 s: several deadlines
+however fast or loaded the machine is), streamed and not; then a completion queued behind a document
+upload of 64 documents of ~1,500 tokens that holds the engine for a second or more.
+
+Must hold: the long generation stops at its deadline — answered within 2.5 s with the tokens made so
+far, ``finish_reason`` "length" and ``deadline_exceeded`` in its stats (the stream ends with the same
+finish reason and ``[DONE]``); the queued completion, whose deadline passed before it could start, is
+a 504 ``deadline_exceeded`` and never runs; the server then serves a short request normally.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from semkv.server import ServerConfig
+
+TINY = "tiny"
+LONG = {"model": TINY, "prompt": "Count on:", "max_tokens": 2000, "semkv": {"stop_at_eos": False}}
+
+
+@pytest.fixture
+def server(live_server):
+    return live_server(ServerConfig(request_timeout_s=0.25, debug_stats=True))
+
+
+def test_long_generation_stops_at_its_deadline(server):
+    start = time.perf_counter()
+    r = httpx.post(f"{server}/v1/completions", json=LONG, timeout=30)
+    elapsed = time.perf_counter() - start
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert elapsed < 2.5, elapsed
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["semkv"]["deadline_exceeded"] is True
+    assert 0 < body["usage"]["completion_tokens"] < 2000
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{server}/v1/completions", json={**LONG, "stream": True}, timeout=30) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert time.perf_counter() - start < 2.5
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "length" and final["semkv"]["deadline_exceeded"] is True
+    short = httpx.post(f"{server}/v1/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2})
+    assert short.status_code == 200 and short.json()["semkv"]["deadline_exceeded"] is False
+
+
+def test_request_queued_past_its_deadline_is_a_504(server):
+    docs = [f"Document {i}: " + "the harbour master logs every ship and its cargo. " * 150 for i in range(64)]
+    upload: dict = {}
+
+    def run_upload() -> None:
+        upload["response"] = httpx.post(f"{server}/v1/documents", json={"input": docs}, timeout=120)
+
+    thread = threading.Thread(target=run_upload)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server}/health").json()["queue"] < 1:  # the upload holds the engine
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    queued = httpx.post(
+        f"{server}/v1/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2}, timeout=60
+    )
+    thread.join(120)
+    assert upload["response"].status_code == 200
+    assert queued.status_code == 504, queued.text
+    assert queued.json()["error"]["code"] == "deadline_exceeded"
+    metrics = httpx.get(f"{server}/metrics").text
+    assert "semkv_prompt_tokens_total 0.0" in metrics  # the queued request never ran
+    assert (
+        httpx.post(
+            f"{server}/v1/completions", json={"model": TINY, "prompt": "Hi", "max_tokens": 2}
+        ).status_code
+        == 200
+    )
