@@ -131,6 +131,38 @@ class StoreConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """Limits of continuous batching (:class:`semkv.scheduler.Scheduler`).
+
+    max_running: sequences decoding together (1 = one request at a time: batching off).
+    max_batched_tokens: tokens one step may compute: one per decoding sequence plus prompt tokens.
+        With ``chunked_prefill`` a full prefill longer than what is left goes in chunks over several
+        steps (running streams wait at most one chunk); a reuse path's prefill (prefix, blend, share)
+        runs in one piece, in a step of its own when it does not fit.
+    chunked_prefill: split full prefills at the step's token budget (False: every prefill in one piece).
+    max_waiting: requests queued before ``add_request`` refuses more (:class:`~semkv.scheduler.QueueFull`).
+    max_live_kv_bytes: live KV the running sequences may hold, each reserving its prompt +
+        ``max_new_tokens`` rows; admission waits while a request does not fit. None = unbounded.
+    """
+
+    max_running: int = 8
+    max_batched_tokens: int = 512
+    max_waiting: int = 64
+    max_live_kv_bytes: int | None = None
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
+        for name in ("max_running", "max_batched_tokens", "max_waiting", "max_live_kv_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "max_live_kv_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass
 class EngineConfig:
     """How the engine runs a model.
 
@@ -146,6 +178,7 @@ class EngineConfig:
     threads: torch intra-op threads; None leaves torch's default.
     device: the torch device the model and its KV live on ("cpu", "cuda", "cuda:1", ...). Only "cpu"
         is tested; CUDA is built for (CPU-only kernels sit behind a device check) but untested.
+    scheduler: limits of continuous batching (``Engine.add_request`` / ``Engine.step``).
     """
 
     model: str = "smollm2-135m"
@@ -157,6 +190,7 @@ class EngineConfig:
     models_dir: str | Path | None = None
     device: str = "cpu"
     compute_dtype: str = "auto"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str):

@@ -13,7 +13,10 @@ A request goes through:
    sharing) goes to the store; done after the first token, so it is not in TTFT;
 6. :meth:`Engine.finish` — the :class:`~semkv.request.Generation` (text, token ids, stats).
 
-:meth:`Engine.generate` composes them for one request.
+:meth:`Engine.generate` composes them for one request. Many requests at once go through the
+scheduler (``semkv/scheduler.py``): :meth:`Engine.add_request`, then :meth:`Engine.step` until every
+request has finished, each step admitting and prefilling waiting requests and decoding the running ones
+by one token in one batched forward (:meth:`Engine.decode_batch`); :meth:`Engine.abort` ends one.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from semkv.config import EngineConfig, StoreConfig, make_private_dir
+from semkv.config import EngineConfig, SchedulerConfig, StoreConfig, make_private_dir
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
 from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
-from semkv.prompt import PromptLayout, build_layout
+from semkv.prompt import PromptLayout, build_layout, tokenize_text
 from semkv.request import GenerateRequest, Generation
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
 from semkv.reuse.registry import FULL, build_paths
-from semkv.sequence import Sequence, TokenCallback
+from semkv.scheduler import Admission, Scheduler, StepOutput
+from semkv.sequence import PrefillJob, Sequence, TokenCallback
 from semkv.sparse.base import SparsePolicy
 from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
@@ -48,6 +52,7 @@ from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
 from semkv.store.keys import Namespace
 from semkv.store.store import KVStore
+from semkv.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,8 @@ SHARE_INDEX_DIR = "share_index"
 class Engine:
     """A model, its runtime, its KV store and its reuse paths.
 
-    Thread-safe: the public steps hold one re-entrant lock, so requests run one at a time.
+    Thread-safe: the public steps hold one re-entrant lock, so model work runs on one thread at a time;
+    ``add_request`` and ``abort`` may be called from any thread while another one calls ``step``.
     ``defaults`` holds what unset request knobs fall back to (the calibrated profile, if any).
     The home folder is created readable by its user only (0700): it holds cached prompts.
     """
@@ -91,6 +97,7 @@ class Engine:
         self.eos_ids = frozenset(self._eos_ids())
         self.hook_errors: dict[str, int] = {}  # path name -> post-prefill hooks that raised
         self._lock = threading.RLock()
+        self.scheduler: Scheduler[Sequence, PrefillJob] = Scheduler(self, config.scheduler)
 
     @classmethod
     def from_pretrained(
@@ -105,6 +112,7 @@ class Engine:
         models_dir: str | Path | None = None,
         device: str = "cpu",
         compute_dtype: str = "auto",
+        scheduler: SchedulerConfig | None = None,
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
         checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
@@ -118,6 +126,7 @@ class Engine:
             models_dir=models_dir,
             device=device,
             compute_dtype=compute_dtype,
+            scheduler=scheduler or SchedulerConfig(),
         )
         make_private_dir(config.home_path)
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
@@ -165,15 +174,17 @@ class Engine:
 
     # -- layout & planning -------------------------------------------------------------------------
     def layout(self, request: GenerateRequest) -> PromptLayout:
-        """The request's prompt as tokenized segments; a ValueError if it is empty or too long."""
-        layout = build_layout(
-            self.tokenizer,
-            request.prompt,
-            request.messages,
-            request.chunks,
-            request.use_chat_template,
-            request.assistant_prefix,
-        )
+        """The request's prompt as tokenized segments; a ValueError if it is empty or too long. Holds the
+        engine's lock: the tokenizer is used by one thread at a time."""
+        with self._lock:
+            layout = build_layout(
+                self.tokenizer,
+                request.prompt,
+                request.messages,
+                request.chunks,
+                request.use_chat_template,
+                request.assistant_prefix,
+            )
         total = len(layout) + request.max_new_tokens
         if len(layout) == 0:
             raise ValueError("prompt is empty after tokenization")
@@ -214,48 +225,95 @@ class Engine:
     def prefill(self, request: GenerateRequest, *, capture_queries: bool = False) -> Sequence:
         """Lay out and plan ``request``, fill a live cache through the chosen path and sample the first
         token. ``capture_queries`` keeps the prompt's queries (needed to :meth:`fork` into SnapKV/H2O).
-        The TTFT (``seq.ttft_s``) covers planning, prefill and the first token; nothing is stored yet."""
+        The TTFT (``seq.ttft_s``) covers planning, prefill and the first token; nothing is stored yet.
+        :meth:`begin_prefill` + :meth:`advance_prefill` + :meth:`complete_prefill` in one go."""
+        with self._lock:
+            job = self.begin_prefill(request, capture_queries=capture_queries)
+            self.advance_prefill(job)
+            return self.complete_prefill(job)
+
+    def begin_prefill(self, request: GenerateRequest, *, capture_queries: bool = False) -> PrefillJob:
+        """Lay out and plan ``request`` and make its live cache; nothing is computed yet."""
         with self._lock:
             layout = self.layout(request)
             check_request(self.defaults, request)  # warns below the calibrated profile
             start = time.perf_counter()
-            options = self.defaults.reuse_options(request)
             plan, refusals = self.plan(request, layout)
-            cache = self.runtime.new_cache(len(layout) + request.max_new_tokens)
             policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(layout))
             sparse = self.sparse_decoder(policy, kv_budget)
-            capture = capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries)
-            queries = None
-            if capture:
-                with capture_prefill_queries(cache) as queries:
-                    outcome = self.paths[plan.path].prefill(self.ctx, plan, cache)
-                if sparse is not None:
-                    sparse.prefill = queries
-            else:
-                outcome = self.paths[plan.path].prefill(self.ctx, plan, cache)
-            blocks, summarise_s = self._summarise(cache, outcome)
-            if sparse is not None:
-                sparse.attach(blocks)
-            seq = Sequence(
+            return PrefillJob(
                 request=request,
-                options=options,
+                options=self.defaults.reuse_options(request),
                 layout=layout,
                 plan=plan,
                 refusals=refusals,
-                outcome=outcome,
-                cache=cache,
+                cache=self.runtime.new_cache(len(layout) + request.max_new_tokens),
                 sparse=sparse,
-                generator=torch.Generator().manual_seed(request.seed),
-                eos_ids=self.eos_ids,
                 kv_budget=kv_budget,
-                prefill_queries=queries,
-                blocks=blocks,
-                summarise_s=summarise_s,
-                notes={**self._fallback_note(options.mode, outcome.path, refusals), **sparse_notes},
+                capture=capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries),
+                started=start,
+                notes=sparse_notes,
             )
-            seq.sample(outcome.logits)
-            seq.ttft_s = time.perf_counter() - start
-            return seq
+
+    def advance_prefill(self, job: PrefillJob, max_tokens: int | None = None) -> int:
+        """Compute up to ``max_tokens`` more prompt tokens of ``job`` (None: all that is left); returns the
+        tokens computed. Only a full prefill without query capture goes in pieces (``job.chunkable``):
+        each piece's queries attend to every row before them. The reuse paths (prefix, blend, share) run
+        their plan in one piece: their recompute selects rows layer by layer over the whole prompt."""
+        with self._lock:
+            if job.done:
+                return 0
+            if job.chunkable and (
+                job.computed > 0 or (max_tokens is not None and job.remaining > max_tokens)
+            ):
+                take = job.remaining if max_tokens is None else min(job.remaining, max(1, max_tokens))
+                ids = job.layout.token_ids[job.computed : job.computed + take]
+                logits = self.runtime.prefill(job.cache, ids)
+                job.computed += take
+                job.chunks += 1
+                if job.remaining == 0:
+                    info = {"prefill_chunks": job.chunks}
+                    job.outcome = PrefillOutcome(logits, FULL, 0, len(job.layout), exact=True, info=info)
+                return take
+            if job.capture:
+                with capture_prefill_queries(job.cache) as queries:
+                    job.outcome = self.paths[job.plan.path].prefill(self.ctx, job.plan, job.cache)
+                job.queries = queries
+                if job.sparse is not None:
+                    job.sparse.prefill = queries
+            else:
+                job.outcome = self.paths[job.plan.path].prefill(self.ctx, job.plan, job.cache)
+            take, job.computed = len(job.layout) - job.computed, len(job.layout)
+            return take
+
+    def complete_prefill(self, job: PrefillJob) -> Sequence:
+        """The prefilled job as a :class:`Sequence` with its first token sampled."""
+        if job.outcome is None:
+            raise ValueError(f"the prefill is not complete: {job.remaining} prompt tokens left")
+        outcome = job.outcome
+        blocks, summarise_s = self._summarise(job.cache, outcome)
+        if job.sparse is not None:
+            job.sparse.attach(blocks)
+        seq = Sequence(
+            request=job.request,
+            options=job.options,
+            layout=job.layout,
+            plan=job.plan,
+            refusals=job.refusals,
+            outcome=outcome,
+            cache=job.cache,
+            sparse=job.sparse,
+            generator=torch.Generator().manual_seed(job.request.seed),
+            eos_ids=self.eos_ids,
+            kv_budget=job.kv_budget,
+            prefill_queries=job.queries,
+            blocks=blocks,
+            summarise_s=summarise_s,
+            notes={**self._fallback_note(job.options.mode, outcome.path, job.refusals), **job.notes},
+        )
+        seq.sample(outcome.logits)
+        seq.ttft_s = time.perf_counter() - job.started
+        return seq
 
     def _summarise(self, cache, outcome: PrefillOutcome) -> tuple[BlockIndex, float]:
         """The block summaries of a freshly prefilled cache (write time: sparse decode then starts with
@@ -302,6 +360,24 @@ class Engine:
                 seq.tokens[-1] = int(feed)
             logits = self.runtime.decode(seq.cache, seq.tokens[-1], seq.sparse)
             seq.sample(logits)
+            return logits
+
+    @torch.inference_mode()
+    def decode_batch(self, seqs: list[Sequence]) -> Tensor:
+        """One decode step of several sequences in one batched forward (norms, projections, MLP and
+        lm_head over all rows; attention per sequence over its own cache and sparse decoder). Each
+        sequence samples its next token with its own settings; the step's time adds to every
+        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check."""
+        with self._lock:
+            start = time.perf_counter()
+            logits = self.runtime.decode_batch(
+                [seq.cache for seq in seqs], [seq.tokens[-1] for seq in seqs], [seq.sparse for seq in seqs]
+            )
+            for seq, row in zip(seqs, logits, strict=True):
+                seq.sample(row)
+            elapsed = time.perf_counter() - start
+            for seq in seqs:
+                seq.decode_s += elapsed
             return logits
 
     def decode(
@@ -400,6 +476,53 @@ class Engine:
                 notes=dict(seq.notes),
             )
 
+    # -- many requests: the scheduler -----------------------------------------------------------------
+    def add_request(
+        self,
+        request: GenerateRequest | None = None,
+        *,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        waited_s: float = 0.0,
+        **options: Any,
+    ) -> str:
+        """Queue a request (a :class:`GenerateRequest`, or its fields as keyword arguments) for
+        :meth:`step`; returns its id. ``timeout_s``: it ends with ``DeadlineExceeded`` after that many
+        seconds from its arrival, ``waited_s`` seconds ago. Raises ``QueueFull`` when the scheduler's waiting
+        queue is full. Thread-safe."""
+        if request is None:
+            request = GenerateRequest(**options)
+        elif options:
+            raise ValueError("give a GenerateRequest or its fields, not both")
+        return self.scheduler.add_request(
+            request, request_id=request_id, timeout_s=timeout_s, waited_s=waited_s
+        )
+
+    def step(self) -> list[StepOutput]:
+        """One scheduler step: admit and prefill waiting requests, decode every running sequence by one
+        token in one batched forward; returns what each request produced (new tokens and text, or its
+        end with a finish reason and its :class:`Generation`)."""
+        with self._lock:
+            return self.scheduler.step()
+
+    def abort(self, request_id: str) -> bool:
+        """End a queued or running request at the next step (its output says "abort"). Thread-safe."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Requests are waiting or running in the scheduler."""
+        return self.scheduler.has_unfinished()
+
+    def admission(self, request: GenerateRequest) -> Admission:
+        """What admitting ``request`` costs the scheduler: prompt tokens, and live-KV bytes for its prompt
+        + ``max_new_tokens`` rows. A ValueError if the prompt is empty or too long."""
+        prompt = len(self.layout(request))
+        return Admission(prompt, (prompt + request.max_new_tokens) * self.runtime.kv_bytes_per_token())
+
+    def text_stream(self, request: GenerateRequest) -> TextStream:
+        """A detokenizer for ``request``'s output, ending at its stop strings."""
+        return TextStream(self.tokenizer, request.stop)
+
     # -- one request ----------------------------------------------------------------------------------
     def generate(
         self, prompt: str | None = None, on_token: TokenCallback | None = None, **options: Any
@@ -410,12 +533,22 @@ class Engine:
         False stops the generation there.
         """
         request = GenerateRequest(prompt=prompt, **options)
+        stream = self.text_stream(request) if request.stop else None
+        callback = on_token if stream is None else _until_stop(stream, on_token)
         with self._lock:
             seq = self.prefill(request)
-            seq.emit_pending(on_token)  # before storing: a streaming client's TTFT excludes the store
+            seq.emit_pending(callback)  # before storing: a streaming client's TTFT excludes the store
             self.store_prefill(seq)
-            self.decode(seq, on_token=on_token)
-            return self.finish(seq)
+            self.decode(seq, on_token=callback)
+            generation = self.finish(seq)
+        if stream is not None and stream.stopped:
+            generation = replace(generation, text=stream.text)
+        return generation
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens of each text (no special tokens), under the engine's lock (one tokenizer user at a time)."""
+        with self._lock:
+            return [len(tokenize_text(self.tokenizer, t)) for t in texts]
 
     def add_chunks(
         self, texts: list[str], config: BlendConfig | None = None, namespace: Namespace | None = None
@@ -439,3 +572,15 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _until_stop(stream: TextStream, on_token: TokenCallback | None) -> TokenCallback:
+    """A token callback that feeds ``stream`` and stops the generation at a stop string (or when
+    ``on_token`` asks)."""
+
+    def callback(token: int) -> bool:
+        keep_going = on_token(token) if on_token is not None else None
+        stream.push(token)
+        return keep_going is not False and not stream.stopped
+
+    return callback

@@ -27,6 +27,7 @@ class GenerateRequest:
     chunks: context texts laid out before the prompt (inside the user turn).
     reuse: "auto" picks the path that reuses most; "none" forces full prefill.
     temperature: 0 = greedy; top_p: nucleus sampling when temperature > 0; seed: sampling seed.
+    stop: strings that end the generation when the text produces one (not part of the returned text).
     use_chat_template: None = wrap a prompt in the tokenizer's chat template when it has one;
         False = the prompt is plain text (a completion); True = require the template.
     assistant_prefix: text the reply starts with (e.g. "The answer is"), placed after the chat
@@ -48,6 +49,7 @@ class GenerateRequest:
     top_p: float = 1.0
     seed: int = 0
     stop_at_eos: bool = True
+    stop: Sequence[str] = ()
     store_prompt: bool = True  # keep this prompt's KV in the store for later requests
     share: ShareConfig | dict | None = None  # reuse="share"/"auto" options (or a dict of its fields)
     recompute_ratio: float | None = None  # reuse="blend": fraction of cached chunk tokens recomputed
@@ -71,6 +73,7 @@ class GenerateRequest:
         if isinstance(self.chunks, str):
             raise ValueError("chunks must be a list of strings, not one string")
         self.chunks = list(self.chunks or ())
+        self.stop = _check_stop(self.stop)
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -169,6 +172,18 @@ def _check_inputs(prompt: object, messages: object, chunks: object) -> None:
             raise ValueError(f"chunks must be a list of strings, got {type(chunks).__name__}")
         for i, chunk in enumerate(chunks):
             _check_text(f"chunks[{i}]", chunk)
+
+
+def _check_stop(stop: object) -> list[str]:
+    """Stop strings as a list (one string is one stop string); each a non-empty str."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or isinstance(stop, bytes):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+    return list(stop)
 
 
 def _check_number(name: str, value: object) -> None:

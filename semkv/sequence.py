@@ -39,6 +39,46 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
 
 
 @dataclass
+class PrefillJob:
+    """A request between planning and its first token (:meth:`semkv.engine.Engine.begin_prefill`).
+
+    computed: prompt tokens computed so far (in ``chunks`` pieces). A full prefill without query capture can advance in
+    chunks (``chunkable``): each chunk appends its rows and attends to every row before it, masks from
+    positions. Other paths (prefix, blend, share) and query capture run in one piece.
+    outcome: set once the whole prompt is computed.
+    """
+
+    request: GenerateRequest
+    options: ReuseOptions
+    layout: PromptLayout
+    plan: Plan
+    refusals: list[Refusal]
+    cache: KVCache
+    sparse: SparseDecoder | None
+    kv_budget: float | int
+    capture: bool
+    started: float
+    computed: int = 0
+    chunks: int = 0
+    outcome: PrefillOutcome | None = None
+    queries: PrefillQueries | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chunkable(self) -> bool:
+        return self.plan.path == "full" and not self.capture
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return 0 if self.done else len(self.layout) - self.computed
+
+
+@dataclass
 class Sequence:
     """A prefilled request and its generation so far.
 

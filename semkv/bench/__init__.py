@@ -30,6 +30,7 @@ SUITES: dict[str, str] = {
     "sparse": "semkv.bench.sparse",
     "serve": "semkv.bench.serve",
     "redis-writes": "semkv.bench.redis_writes",
+    "batching": "semkv.bench.batching",
 }
 
 

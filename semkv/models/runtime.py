@@ -283,37 +283,88 @@ class Runtime:
         start = cache.append_rows(positions, token_ids)
         return self.forward_rows(cache, start)
 
-    @torch.inference_mode()
     def decode(self, cache: KVCache, token_id: int, gatherer: KeyGatherer | None = None) -> Tensor:
         """Append one token at the next position and return its logits [V].
 
         Without a ``gatherer`` each layer attends to every row; with one (a sparse decoder), to the
-        keys, values and positions it hands over.
-
-        The step is the layer loop over one row: ``qkv`` and ``finish_layer`` are row-wise (a batched
-        step would run them over the stacked rows of several sequences), attention is per sequence.
+        keys, values and positions it hands over. A batch of one :meth:`decode_batch`.
         """
+        return self.decode_batch([cache], [token_id], [gatherer])[0]
+
+    @torch.inference_mode()
+    def decode_batch(
+        self,
+        caches: list[KVCache],
+        token_ids: list[int],
+        gatherers: list[KeyGatherer | None] | None = None,
+    ) -> Tensor:
+        """One decode step of B sequences: append ``token_ids[i]`` to ``caches[i]`` at its next position;
+        return the logits [B, V].
+
+        Norms, projections, MLP and lm_head run once over the B stacked rows; RoPE, the cache write and
+        attention run per sequence, over its own cache and with its own ``gatherers[i]`` (None: every
+        row). Row i's result does not depend on the other rows: each output element of a matmul is
+        its row's dot products, so up to the BLAS kernel's summation order a batched step gives the
+        logits of B one-sequence steps.
+        """
+        count = len(caches)
+        if count == 0 or len(token_ids) != count:
+            raise ValueError(f"decode_batch needs one token per cache, got {len(token_ids)} for {count}")
+        gatherers = gatherers if gatherers is not None else [None] * count
+        if len(gatherers) != count:
+            raise ValueError(f"decode_batch needs one gatherer (or None) per cache, got {len(gatherers)}")
         a = self.adapter
-        position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
-        row = cache.append_rows(torch.tensor([position], device=self.device), [token_id])
-        pos = cache.positions[row : row + 1]
-        rows = slice(row, row + 1)
-        hidden = a.embed(torch.tensor([token_id], device=self.device)).float()
-        tables = self._tables(pos)
-        k_pos = cache.valid_positions()
-        ordered = in_order(k_pos)  # once per step, not per layer
+        slots = [
+            self._append_decode_row(cache, token) for cache, token in zip(caches, token_ids, strict=True)
+        ]
+        positions = torch.cat(
+            [cache.positions[row : row + 1] for cache, row in zip(caches, slots, strict=True)]
+        )
+        hidden = a.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)).float()
+        tables = self._tables(positions)
+        k_pos = [cache.valid_positions() for cache in caches]
+        ordered = [in_order(p) for p in k_pos]  # once per step, not per layer
         for layer in range(a.num_layers):
-            q, k, v = a.qkv(layer, hidden)
+            q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
             cos, sin = tables(layer)
-            self._write(cache, layer, rows, k, v, cos, sin)
-            q_rot = self._queries(q, cos, sin)
-            keys, values, positions, known = cache.keys(layer), cache.values(layer), k_pos, ordered
-            if gatherer is not None:
-                picked = gatherer.gather(layer, q_rot, cache)
-                if picked is not None:
-                    (keys, values, positions), known = picked, None
-            out = attention(
-                q_rot, keys, values, pos, positions, a.scaling(layer), a.window(layer), ordered=known
-            )
-            hidden = a.finish_layer(layer, hidden, out)
-        return a.logits(hidden)[0]
+            # RoPE is row-wise: rotate every row at once (keys rounded to the KV dtype first, as _write does)
+            k_pre = k.to(self.kv_dtype)
+            k_rot = apply_rope(k_pre.float(), cos, sin)
+            q_rot_all = self._queries(q, cos, sin)
+            outs = []
+            for i, (cache, row, gatherer) in enumerate(zip(caches, slots, gatherers, strict=True)):
+                one = slice(i, i + 1)
+                cache.write(layer, slice(row, row + 1), k_pre[:, one], k_rot[:, one], v[:, one])
+                q_rot = q_rot_all[:, one]
+                keys, values, key_pos, known = cache.keys(layer), cache.values(layer), k_pos[i], ordered[i]
+                if gatherer is not None:
+                    picked = gatherer.gather(layer, q_rot, cache)
+                    if picked is not None:
+                        (keys, values, key_pos), known = picked, None
+                outs.append(
+                    attention(
+                        q_rot,
+                        keys,
+                        values,
+                        positions[one],
+                        key_pos,
+                        a.scaling(layer),
+                        a.window(layer),
+                        ordered=known,
+                    )
+                )
+            hidden = a.finish_layer(layer, hidden, torch.cat(outs) if count > 1 else outs[0])
+        return a.logits(hidden)
+
+    def _append_decode_row(self, cache: KVCache, token_id: int) -> int:
+        """Claim the row of a decoded token at the cache's next position; returns the row."""
+        position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
+        return cache.append_rows(torch.tensor([position], device=self.device), [token_id])
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's row takes in a live cache (pre-RoPE K in the KV dtype, rotated K and V in the
+        compute dtype, every layer)."""
+        a = self.adapter
+        kv = torch.empty((), dtype=self.kv_dtype).element_size()
+        compute = torch.empty((), dtype=self.compute_dtype).element_size()
+        return a.num_layers * a.num_kv_heads * a.head_dim * (kv + 2 * compute)

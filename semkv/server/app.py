@@ -3,8 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as SSE
 with ``"stream": true``), ``POST /v1/documents`` (+ ``GET``, ``GET /{id}``, ``DELETE /{id}``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Model work runs on the engine thread
-(:class:`~semkv.server.worker.EngineWorker`); a streamed response receives tokens from
-the engine's ``on_token`` callback through an asyncio queue.
+(:class:`~semkv.server.worker.EngineLoop`), which loops the engine's scheduler: concurrent requests
+are prefilled as they arrive and decode together, one batched forward per step. Each request receives
+its step outputs through an asyncio queue; a streamed response sends their text as it comes; a client
+that goes away (streaming or not) frees its sequence at the next step.
 
 Security lives here, in the request-handling layer (not in the engine's worker):
 
@@ -17,7 +19,7 @@ Security lives here, in the request-handling layer (not in the engine's worker):
   token counts and timings only.
 * **Limits.** The request body is limited by the bytes received (chunked bodies included), every
   engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
-  before prefill and at every token), and a 500 never carries internal exception text.
+  by the scheduler at every step: a 504, or an SSE error event once streaming), and a 500 never carries internal exception text.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import asyncio
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,9 +42,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv import __version__ as semkv_version
-from semkv.prompt import tokenize_text
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
+from semkv.scheduler import DeadlineExceeded, StepOutput, StepStats
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
 from semkv.server.documents import Document, DocumentRegistry
 from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
@@ -57,8 +58,7 @@ from semkv.server.schemas import (
     SamplingFields,
     SemkvExtension,
 )
-from semkv.server.streaming import TextStream
-from semkv.server.worker import EngineWorker
+from semkv.server.worker import EngineLoop
 from semkv.store.keys import Namespace
 from semkv.store.redis_tier import RedisTier
 
@@ -102,8 +102,9 @@ class ServerConfig:
     api_keys: the keys and their tenants (None: one anonymous tenant, no authentication).
     debug_stats: return every engine stat in responses, also those describing other requests' data
         (which path reused how much, share references, refusal reasons). For trusted clients only.
-    request_timeout_s: each request's deadline from its arrival: not started by then -> 504; still
-        generating -> stopped there (finish_reason "length", ``deadline_exceeded`` in its stats).
+    max_queue: requests waiting or running before a 429.
+    request_timeout_s: each request's deadline from its arrival: a request not finished by then ends
+        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step.
     """
 
     model_name: str | None = None
@@ -167,14 +168,14 @@ class GenerationResult:
 
 
 class ServerState:
-    """What the routes share: the engine, its worker, the document registry, metrics."""
+    """What the routes share: the engine, its thread, the document registry, metrics."""
 
     def __init__(self, engine: Any, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.model_name = config.model_name or str(engine.name)
         self.created = int(time.time())
-        self.worker = EngineWorker(config.max_queue)
+        self.loop = EngineLoop(engine, config.max_queue, self.observe_step)
         redis = engine.store.tier("redis")
         self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
         folder = config.documents_dir or Path(engine.config.home_path) / "documents"
@@ -276,71 +277,80 @@ class ServerState:
         blend = GenerateRequest(prompt="x", **self.config.defaults).blend
         return blend if isinstance(blend, BlendConfig) else self.engine.defaults.blend
 
-    def deadline(self, started: float) -> float:
-        return started + self.config.request_timeout_s
+    # -- generations -----------------------------------------------------------------------------------
+    def observe_step(self, stats: StepStats, outputs: list[StepOutput], running: int, waiting: int) -> None:
+        """Step metrics (called on the engine thread after each step that did work)."""
+        self.metrics.observe_step(stats, running, waiting)
+        for output in outputs:
+            if output.finished:
+                self.metrics.ended.labels(str(output.finish_reason)).inc()
 
-    # -- engine-thread jobs ----------------------------------------------------------------------------
-    def generate(
-        self,
-        kwargs: dict[str, Any],
-        default_max: int,
-        stop: list[str],
-        started: float,
-        emit: Callable[[str], None] | None = None,
-        cancelled: threading.Event | None = None,
-    ) -> GenerationResult:
-        """Run one generation on the engine thread; ``emit`` receives text deltas as they become safe.
-
-        The request's deadline is checked before prefill (504 when it passed while queued) and at every
-        token (the generation stops there)."""
-        if cancelled is not None and cancelled.is_set():
-            raise APIError(499, "the client went away before the request started", None, "cancelled")
-        deadline = self.deadline(started)
-        if time.perf_counter() >= deadline:
-            raise APIError(
-                504,
-                f"the request was not started within its {self.config.request_timeout_s:g} s deadline "
-                "(the server is busy); retry later",
-                None,
-                "deadline_exceeded",
-            )
-        engine = self.engine
+    def request_of(self, kwargs: dict[str, Any], default_max: int, stop: list[str]) -> GenerateRequest:
+        """The engine request; a ``max_new_tokens`` left to the server becomes ``default_max``, capped to
+        what fits in the context (this tokenizes the prompt: call it off the event loop)."""
         if kwargs["max_new_tokens"] is None:
-            layout = engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
-            room = engine.max_context - len(layout)
+            layout = self.engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
+            room = self.engine.max_context - len(layout)
             kwargs = {**kwargs, "max_new_tokens": max(1, min(default_max, room))}
-        stream = TextStream(engine.tokenizer, stop)
-        first: list[float] = []
-        expired: list[bool] = []
+        return GenerateRequest(**kwargs, stop=stop)
 
-        def on_token(token: int) -> bool:
-            if not first:
-                first.append(time.perf_counter())
-            delta = stream.push(token)
-            if delta and emit is not None:
-                emit(delta)
-            if time.perf_counter() >= deadline:
-                expired.append(True)
-                return False
-            return not (stream.stopped or (cancelled is not None and cancelled.is_set()))
+    async def submit(
+        self, kwargs: dict[str, Any], default_max: int, stop: list[str], request_id: str, started: float
+    ) -> asyncio.Queue[StepOutput]:
+        """Queue one generation on the engine thread; returns the queue of its step outputs. Its deadline
+        counts from ``started`` (the request's arrival): time spent waiting for the engine to tokenize it
+        (e.g. behind a document upload) counts too, and a request already past it is a 504 here."""
+        try:
+            request = await run_in_threadpool(self.request_of, kwargs, default_max, stop)
+            waited = time.perf_counter() - started
+            if waited >= self.config.request_timeout_s:
+                raise APIError(
+                    504,
+                    f"the request was not started within its {self.config.request_timeout_s:g} s deadline "
+                    "(the server is busy); retry later",
+                    None,
+                    "deadline_exceeded",
+                )
+            return self.loop.submit(request, request_id, self.config.request_timeout_s, waited)
+        except APIError:
+            raise
+        except Exception as exc:
+            raise map_engine_error(exc) from exc
 
-        generation = engine.generate(on_token=on_token, **kwargs)
-        tail = stream.finish()
-        if tail and emit is not None:
-            emit(tail)
-        length = bool(expired) or (
-            not stream.stopped and len(generation.token_ids) >= kwargs["max_new_tokens"]
-        )
-        ttft = (first[0] if first else time.perf_counter()) - started
+    async def collect(
+        self, request_id: str, queue: asyncio.Queue[StepOutput], started: float, http: Request
+    ) -> GenerationResult:
+        """Wait for a generation's end (a non-streamed response); a client that disconnects meanwhile
+        aborts it."""
+        first: float | None = None
+        checked = time.perf_counter()
+        try:
+            while True:
+                output = await next_output(queue, http)
+                if time.perf_counter() - checked > DISCONNECT_POLL_S:  # outputs come every step
+                    checked = time.perf_counter()
+                    if await http.is_disconnected():
+                        raise ClientGone()
+                if first is None and (output.token_ids or output.finished):
+                    first = time.perf_counter()
+                if output.finished:
+                    return self.result(output, started, first)
+        except (asyncio.CancelledError, ClientGone):
+            self.loop.abort(request_id)
+            raise
+
+    def result(self, output: StepOutput, started: float, first: float | None) -> GenerationResult:
+        """A finished output -> the result (metrics observed), or the error it ended with."""
+        generation = output.generation
+        if output.finish_reason in ("abort", "deadline", "error") or generation is None:
+            raise map_engine_error(output.error or RuntimeError(f"request ended: {output.finish_reason}"))
+        ttft = (first if first is not None else time.perf_counter()) - started
         self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
-        stats = {**generation.stats, "deadline_exceeded": bool(expired)}
-        return GenerationResult(
-            stream.text, list(generation.token_ids), stats, "length" if length else "stop", ttft
-        )
+        finish = "length" if output.finish_reason == "length" else "stop"
+        return GenerationResult(generation.text, list(generation.token_ids), generation.stats, finish, ttft)
 
     def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
-        tokenizer = self.engine.tokenizer
-        counts = [len(tokenize_text(tokenizer, t)) for t in texts]
+        counts = self.engine.count_tokens(texts)
         for i, n in enumerate(counts):
             if n == 0:
                 raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
@@ -374,10 +384,29 @@ class ServerState:
         return doc
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+
+
+async def next_output(queue: asyncio.Queue[StepOutput], http: Request) -> StepOutput:
+    """The next step output; raises :class:`ClientGone` if the client disconnects while waiting."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await http.is_disconnected():
+                raise ClientGone() from None
+
+
 def map_engine_error(exc: BaseException) -> APIError:
     """An exception raised by a job -> the error answered to the client."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, DeadlineExceeded):
+        return APIError(504, str(exc), None, "deadline_exceeded")
     if isinstance(exc, ValueError):
         message = str(exc)
         code = "context_length_exceeded" if "context" in message else "invalid_value"
@@ -505,7 +534,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        state.worker.shutdown()
+        state.loop.shutdown()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -525,14 +554,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         return {
             "status": "ok",
             "model": state.model_name,
-            "queue": state.worker.pending,
+            "queue": state.loop.pending,
+            "running": state.engine.scheduler.num_running,
+            "waiting": state.engine.scheduler.num_waiting,
             "redis": redis,
             "documents": len(state.documents),
         }
 
     @app.get("/metrics")
     def metrics() -> Response:
-        state.metrics.queue_depth.set(state.worker.pending)
+        state.metrics.queue_depth.set(state.loop.pending)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict[str, Any]:
@@ -555,7 +586,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 403, "this API key may not publish shared documents", "shared", "permission_denied"
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
-        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
+        docs = await _run(lambda: state.add_documents(body.texts, namespace, principal.tenant))
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
@@ -585,7 +616,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             if shared is None or not principal.can_publish or shared.owner != principal.tenant:
                 raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
             namespace = Namespace.shared()
-        deleted = await _run(state, lambda: state.delete_document(doc_id, namespace))
+        deleted = await _run(lambda: state.delete_document(doc_id, namespace))
         if deleted is None:
             raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
@@ -611,12 +642,17 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
                 return {**base, "choices": [choice], **extra}
 
-            return await _stream(state, body, calls[0], default, started, request, chunk, None)
+            return await _stream(state, body, calls[0], default, started, request, rid, chunk, None)
 
-        def run_all() -> list[GenerationResult]:
-            return [state.generate(kw, default, body.stop_list, started) for kw in calls]
-
-        results = await _run(state, run_all)
+        ids = [f"{rid}-{i}" for i in range(len(calls))]
+        queues = []
+        try:
+            for kw, request_id in zip(calls, ids, strict=True):  # all queued at once: they decode together
+                queues.append(await state.submit(kw, default, body.stop_list, request_id, started))
+            results = [await state.collect(i, q, started, request) for i, q in zip(ids, queues, strict=True)]
+        finally:
+            for request_id in ids:  # a failed or abandoned request frees the others (no-op once finished)
+                state.loop.abort(request_id)
         choices = [
             {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
             for i, r in enumerate(results)
@@ -647,9 +683,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 ],
             }
-            return await _stream(state, body, kwargs, default, started, request, chunk, opening)
+            return await _stream(state, body, kwargs, default, started, request, rid, chunk, opening)
 
-        result = (await _run(state, lambda: [state.generate(kwargs, default, body.stop_list, started)]))[0]
+        queue = await state.submit(kwargs, default, body.stop_list, rid, started)
+        result = await state.collect(rid, queue, started, request)
         message = {"role": "assistant", "content": result.text}
         return {
             **base,
@@ -662,9 +699,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-async def _run(state: ServerState, job: Callable[[], Any]) -> Any:
+async def _run(job: Callable[[], Any]) -> Any:
+    """A blocking job (it takes the engine's lock between steps) off the event loop."""
     try:
-        return await state.worker.submit(job)
+        return await run_in_threadpool(job)
     except APIError:
         raise
     except asyncio.CancelledError:
@@ -698,51 +736,43 @@ async def _stream(
     default_max: int,
     started: float,
     request: Request,
+    request_id: str,
     chunk: Callable[..., dict[str, Any]],
     opening: dict[str, Any] | None,
 ) -> Any:
-    """Start the generation; answer a JSON error if it fails before its first text, else an SSE stream."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def emit(delta: str) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, ("delta", delta))
-
-    def job() -> GenerationResult:
-        return state.generate(kwargs, default_max, body.stop_list, started, emit, cancelled)
-
-    future = state.worker.submit(job)
-    future.add_done_callback(lambda f: events.put_nowait(("done", f)))
+    """Start the generation; answer a JSON error if it fails before its first output, else an SSE stream
+    of its text as the engine's steps produce it. A client that goes away aborts the generation."""
+    queue = await state.submit(kwargs, default_max, body.stop_list, request_id, started)
     try:
-        first = await events.get()
-    except asyncio.CancelledError:
-        cancelled.set()
+        first = await next_output(queue, request)
+    except (asyncio.CancelledError, ClientGone):
+        state.loop.abort(request_id)
         raise
-    if first[0] == "done" and first[1].exception() is not None:
-        raise map_engine_error(first[1].exception())
+    first_at = time.perf_counter()
+    if first.finished and first.finish_reason in ("abort", "deadline", "error"):
+        raise map_engine_error(first.error or RuntimeError(f"request ended: {first.finish_reason}"))
 
     async def sse() -> AsyncIterator[bytes]:
-        event = first
+        output = first
         try:
             if opening is not None:
                 yield _sse(opening)
             while True:
-                kind, value = event
-                if kind == "delta":
-                    yield _sse(chunk(value))
-                else:
-                    if value.exception() is not None:
-                        yield _sse(map_engine_error(value.exception()).body())
+                if output.text:
+                    yield _sse(chunk(output.text))
+                if output.finished:
+                    try:
+                        result = state.result(output, started, first_at)
+                    except APIError as exc:
+                        yield _sse(exc.body())
                     else:
-                        result: GenerationResult = value.result()
                         yield _sse(chunk(None, result.finish_reason, semkv=state.stats([result])))
                         if body.include_usage:
                             yield _sse({**chunk(None), "choices": [], "usage": _usage([result])})
                     yield _sse("[DONE]")
                     return
-                event = await events.get()
+                output = await queue.get()
         finally:
-            cancelled.set()  # client gone or stream over: stop generating
+            state.loop.abort(request_id)  # client gone mid-stream: free the sequence (no-op once finished)
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

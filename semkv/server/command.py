@@ -93,10 +93,36 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
         "(which path reused what, share references, refusal reasons); trusted clients only",
     )
     p.add_argument(
+        "--max-running",
+        type=int,
+        default=8,
+        help="sequences decoding together, one batched forward per step (1: one request at a time)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens one engine step computes (prompt tokens + one per decoding sequence); a longer full "
+        "prefill goes in chunks between decode steps",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill every prompt in one piece (running streams wait for the whole prefill)",
+    )
+    p.add_argument(
+        "--max-live-kv-mb",
+        type=int,
+        default=None,
+        help="live KV the running sequences may reserve, MiB; admission waits beyond it (default unbounded)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=300.0,
-        help="seconds a request may take from arrival (queue + prefill + decode; default 300)",
+        metavar="SECONDS",
+        help="a request not finished this long after it arrived (queue + prefill + decode) ends with a 504 "
+        "(default 300)",
     )
     p.add_argument(
         "--max-body-mb", type=float, default=32.0, help="largest request body accepted, MiB (default 32)"
@@ -110,7 +136,7 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from semkv.config import StoreConfig
+    from semkv.config import SchedulerConfig, StoreConfig
     from semkv.engine import Engine
     from semkv.server.app import ServerConfig, create_app
     from semkv.server.auth import APIKeys
@@ -128,6 +154,13 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024**2),
     )
+    scheduler = SchedulerConfig(
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_queue,
+        max_live_kv_bytes=None if args.max_live_kv_mb is None else args.max_live_kv_mb * 1024**2,
+        chunked_prefill=not args.no_chunked_prefill,
+    )
     store = StoreConfig(
         memory_bytes=args.memory_mb * 1024**2,
         disk=not args.no_disk,
@@ -140,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if config.api_keys is not None:
         log.warning("API keys on: %d keys, tenants %s", len(config.api_keys), sorted(config.api_keys.tenants))
-    engine = Engine.from_args(args, store=store)
+    engine = Engine.from_args(args, store=store, scheduler=scheduler)
     app = create_app(engine, config)
     log.warning("semkv serving %s on http://%s:%d", app.state.semkv.model_name, args.host, args.port)
     try:

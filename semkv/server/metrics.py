@@ -17,8 +17,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from semkv.scheduler import StepStats
+
 log = logging.getLogger(__name__)
 
+BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -107,7 +110,28 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("semkv_prompt_tokens", "prompt tokens", registry=r)
         self.completion_tokens = Counter("semkv_completion_tokens", "generated tokens", registry=r)
-        self.queue_depth = Gauge("semkv_queue_depth", "engine jobs waiting or running", registry=r)
+        self.queue_depth = Gauge("semkv_queue_depth", "requests waiting or running", registry=r)
+        self.running = Gauge("semkv_running_sequences", "sequences in the running batch", registry=r)
+        self.waiting = Gauge("semkv_waiting_sequences", "requests waiting for admission", registry=r)
+        self.batch_size = Histogram(
+            "semkv_step_batch_size",
+            "sequences decoded together in one engine step",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "semkv_step_seconds",
+            "engine step time (prefill work + one batched decode)",
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.ended = Counter(
+            "semkv_requests_ended",
+            "generations ended, by reason: length, eos, stop, abort (client gone), deadline, error",
+            ["reason"],
+            registry=r,
+        )
+        self.step_prefills = Counter("semkv_step_prefills", "requests prefilled by engine steps", registry=r)
         self.documents = Counter("semkv_documents_added", "documents uploaded", registry=r)
         self.document_tokens = Counter(
             "semkv_document_tokens_precomputed", "tokens of chunk KV precomputed for documents", registry=r
@@ -126,6 +150,14 @@ class ServerMetrics:
             self.prefill.labels(path).observe(float(stats["ttft_s"]))
         if ttft_s is not None:
             self.ttft.labels(path).observe(ttft_s)
+
+    def observe_step(self, stats: StepStats, running: int, waiting: int) -> None:
+        """One engine step (a :class:`semkv.scheduler.StepStats`) and the scheduler's counts after it."""
+        self.batch_size.observe(stats.batch_size)
+        self.step_seconds.observe(stats.step_s)
+        self.step_prefills.inc(stats.prefilled)
+        self.running.set(running)
+        self.waiting.set(waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

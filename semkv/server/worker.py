@@ -1,45 +1,139 @@
-"""The engine's queue: every job that touches the model runs on one dedicated thread, in arrival order.
+"""The engine thread: one thread loops ``engine.step()``; requests join and leave its batch between steps.
 
-The event loop never runs model code, so a long prefill never stalls other clients'
-streams or ``/health``; the queue is bounded, and a full queue is a 429 the client can
-retry, not unbounded memory growth.
+The event loop never runs model code, so a long prefill never stalls ``/health`` or the delivery of
+other streams' tokens. A request is added with :meth:`EngineLoop.submit` (from the event loop): it gets
+an asyncio queue that receives its :class:`~semkv.scheduler.StepOutput` s as the steps produce them,
+the last one ``finished``. :meth:`EngineLoop.abort` frees a request at the next step (a client gone).
+At most ``max_queue`` requests wait or run; one more is a 429 the client can retry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any
 
+from semkv.request import GenerateRequest
+from semkv.scheduler import QueueFull, StepOutput, StepStats
 from semkv.server.errors import APIError
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # an idle engine thread wakes this often to notice shutdown
 
 
-class EngineWorker:
-    """One engine thread, FIFO, at most ``max_queue`` jobs waiting or running. Used from the event loop only."""
+class EngineLoop:
+    """The engine thread over an :class:`~semkv.engine.Engine`. ``submit`` / ``abort`` / ``pending`` are
+    called from the event loop; ``on_step`` (if given) is called on the engine thread after every step
+    that did work, with the step's stats, its outputs and the scheduler's running / waiting counts."""
 
-    def __init__(self, max_queue: int = 64) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_queue: int = 64,
+        on_step: Callable[[StepStats, list[StepOutput], int, int], None] | None = None,
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
         self.max_queue = max_queue
-        self.pending = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-engine")
+        self.on_step = on_step
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="semkv-engine", daemon=True)
+        self._thread.start()
 
-    def submit(self, job: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue ``job``; raises a 429 :class:`APIError` when the queue is full."""
-        if self.pending >= self.max_queue:
-            raise APIError(
-                429, f"the server queue is full ({self.max_queue} requests); retry later", None, "queue_full"
-            )
-        self.pending += 1
-        future = asyncio.wrap_future(self._executor.submit(job))
-        future.add_done_callback(self._done)
-        return future
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not finished (waiting or running)."""
+        with self._lock:
+            return len(self._queues)
 
-    def _done(self, _: asyncio.Future) -> None:
-        self.pending -= 1
+    def submit(
+        self, request: GenerateRequest, request_id: str, timeout_s: float | None = None, waited_s: float = 0.0
+    ) -> asyncio.Queue[StepOutput]:
+        """Add ``request`` to the engine's scheduler; returns the queue of its outputs. A 429
+        :class:`APIError` when ``max_queue`` requests are pending or the scheduler's queue is full."""
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        with self._lock:
+            if len(self._queues) >= self.max_queue:
+                raise APIError(
+                    429,
+                    f"the server queue is full ({self.max_queue} requests); retry later",
+                    None,
+                    "queue_full",
+                )
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)  # before any step can answer
+        try:
+            self.engine.add_request(request, request_id=request_id, timeout_s=timeout_s, waited_s=waited_s)
+        except QueueFull as exc:
+            self._drop(request_id)
+            raise APIError(429, f"{exc}", None, "queue_full") from exc
+        except BaseException:
+            self._drop(request_id)
+            raise
+        with self._wake:
+            self._wake.notify()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Free the request at the next step; its queue gets no more outputs."""
+        if self._drop(request_id):
+            self.engine.abort(request_id)
+
+    def _drop(self, request_id: str) -> bool:
+        with self._lock:
+            return self._queues.pop(request_id, None) is not None
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.engine.has_unfinished():
+                    self._wake.wait(IDLE_WAIT_S)
+                if self._stopping:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a scheduler bug: answer every pending request, keep serving
+                log.error("engine step failed: %s", exc, exc_info=exc)
+                self._fail_all(exc)
+                continue
+            self._deliver(outputs)
+            stats = self.engine.scheduler.last_step
+            if self.on_step is not None and (stats.batch_size or stats.prefilled or outputs):
+                scheduler = self.engine.scheduler
+                self.on_step(stats, outputs, scheduler.num_running, scheduler.num_waiting)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                target = (
+                    self._queues.pop(output.request_id, None)
+                    if output.finished
+                    else self._queues.get(output.request_id)
+                )
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        for request_id in ids:
+            self.engine.abort(request_id)
+        self._deliver([StepOutput(i, finished=True, finish_reason="error", error=exc) for i in ids])
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop the thread after its current step; pending requests are aborted."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+        with self._lock:
+            ids = list(self._queues)
+        for request_id in ids:
+            self.abort(request_id)

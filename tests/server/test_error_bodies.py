@@ -1,8 +1,9 @@
 """A 500 never tells the client what went wrong inside.
 
 Injected: failures whose exception text holds what must not leave the server (a file path under the
-home, a key, another request's prompt) — raised by the engine before the first token (plain and
-streamed), after some tokens of a stream, and by a route outside the engine (the document registry).
+home, a key, another request's prompt) — raised by the engine's prefill step before the first token
+(plain and streamed), by its batched decode step after some tokens of a stream, and by a route outside
+the engine (the document registry).
 
 Must hold: the client gets a 500 (or, mid-stream, an SSE error event) in OpenAI's shape whose message
 is generic and carries an error id, never the exception's text or type; the server log has the id
@@ -45,7 +46,7 @@ def check_generic(error: dict, caplog) -> None:
 
 def test_engine_failure_before_the_first_token(app_and_client, monkeypatch, caplog):
     app, client = app_and_client
-    monkeypatch.setattr(app.state.semkv.engine, "generate", raising(RuntimeError(SECRET)))
+    monkeypatch.setattr(app.state.semkv.engine, "begin_prefill", raising(RuntimeError(SECRET)))
     caplog.set_level(logging.ERROR)
     for body in ({"model": TINY, "prompt": "Hi"}, {"model": TINY, "prompt": "Hi", "stream": True}):
         r = client.post("/v1/completions", json=body)
@@ -60,19 +61,16 @@ def test_engine_failure_before_the_first_token(app_and_client, monkeypatch, capl
 def test_engine_failure_in_the_middle_of_a_stream(app_and_client, monkeypatch, caplog):
     app, client = app_and_client
     engine = app.state.semkv.engine
-    real = engine.generate
+    real = engine.decode_batch
+    calls = []
 
-    def fails_later(*args, on_token=None, **kwargs):
-        def counting(token):
-            counting.n += 1
-            if counting.n > 2:
-                raise RuntimeError(SECRET)
-            return on_token(token)
+    def fails_later(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError(SECRET)
+        return real(*args, **kwargs)
 
-        counting.n = 0
-        return real(*args, on_token=counting, **kwargs)
-
-    monkeypatch.setattr(engine, "generate", fails_later)
+    monkeypatch.setattr(engine, "decode_batch", fails_later)
     caplog.set_level(logging.ERROR)
     body = {"model": TINY, "prompt": "Hi", "max_tokens": 8, "stream": True, "semkv": {"stop_at_eos": False}}
     r = client.post("/v1/completions", json=body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from semkv.server.streaming import TextStream
+from semkv.text_stream import TextStream
 
 TEXT = "Hé 🎉 naïve — 日本語 ok. END here and more"
 

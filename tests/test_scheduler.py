@@ -1,0 +1,334 @@
+"""The scheduler's decisions, without a model: ids, admission order and limits, abort, deadline, stop.
+
+The runner below does the model's part with a rule instead of a forward pass (sequence i's next token is
+a function of its request and length), so every test knows the exact tokens and which sequences must
+be decoded together in each step; the sequences are real :class:`semkv.sequence.Sequence` objects
+(real sampling, EOS and stop handling). What must hold: ids are exact and unique; requests are
+admitted in arrival order within max_running / max_batched_tokens / max_live_kv_bytes; a request
+joining is prefilled in its step and decoded from the next; aborted, expired and failing requests end
+with exactly one finished output and leave the batch at the next step; no request is lost or answered
+twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from semkv.config import SchedulerConfig
+from semkv.request import GenerateRequest, Generation
+from semkv.scheduler import Admission, DeadlineExceeded, QueueFull, Scheduler, StepOutput
+from semkv.sequence import Sequence
+from semkv.text_stream import TextStream
+
+VOCAB = 32
+EOS = 2
+BYTES_PER_TOKEN = 10
+
+
+class LetterTokenizer:
+    """Token id t is the letter chr(ord('a') + t % 26); EOS (2) is special (skipped)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids if not (skip_special_tokens and t == EOS))
+
+
+def next_token(request: GenerateRequest, length: int) -> int:
+    """The runner's rule: 3 + (seed + length) % 20 (never EOS), unless the prompt asks for EOS."""
+    if request.prompt is not None and "eos" in request.prompt and length == 2:
+        return EOS
+    return 3 + (request.seed + length) % 20
+
+
+@dataclass
+class RuleJob:
+    """A prefill in progress: prompt words left to compute."""
+
+    request: GenerateRequest
+    remaining: int
+    chunkable: bool = True
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+
+@dataclass
+class RuleRunner:
+    """A StepRunner whose forward pass is :func:`next_token`; it records what each step ran."""
+
+    prefills: list[str] = field(default_factory=list)  # prompts, in order of prefill completion
+    chunks: list[tuple[str, int]] = field(default_factory=list)  # (prompt, tokens) of each prefill piece
+    batches: list[list[str]] = field(default_factory=list)  # prompts of each decode_batch call
+    fail_prefill: str | None = None
+
+    def admission(self, request: GenerateRequest) -> Admission:
+        words = len((request.prompt or "").split())
+        if words == 0:
+            raise ValueError("prompt is empty after tokenization")
+        return Admission(words, (words + request.max_new_tokens) * BYTES_PER_TOKEN)
+
+    def _sample(self, seq: Sequence) -> None:
+        logits = torch.zeros(VOCAB)
+        logits[next_token(seq.request, len(seq.tokens))] = 1.0
+        seq.sample(logits)
+
+    def begin_prefill(self, request: GenerateRequest) -> RuleJob:
+        if request.prompt == self.fail_prefill:
+            raise RuntimeError("injected prefill failure")
+        return RuleJob(
+            request, len(str(request.prompt).split()), chunkable="whole" not in str(request.prompt)
+        )
+
+    def advance_prefill(self, job: RuleJob, max_tokens: int | None = None) -> int:
+        take = job.remaining if max_tokens is None else min(job.remaining, max_tokens)
+        job.remaining -= take
+        self.chunks.append((str(job.request.prompt), take))
+        return take
+
+    def complete_prefill(self, job: RuleJob) -> Sequence:
+        assert job.done
+        self.prefills.append(str(job.request.prompt))
+        seq = Sequence(
+            job.request, None, None, None, [], None, None, None, torch.Generator(), frozenset({EOS}), 0.1
+        )  # type: ignore[arg-type]  # the fields a model fills are not read here
+        self._sample(seq)
+        return seq
+
+    def store_prefill(self, seq: Sequence) -> float:
+        return 0.0
+
+    def decode_batch(self, seqs: list[Sequence]) -> None:
+        self.batches.append([str(s.request.prompt) for s in seqs])
+        for seq in seqs:
+            self._sample(seq)
+
+    def finish(self, seq: Sequence) -> Generation:
+        ids = seq.output_ids()
+        return Generation(LetterTokenizer().decode(ids), ids, {"finish_reason": seq.finish_reason})
+
+    def text_stream(self, request: GenerateRequest) -> TextStream:
+        return TextStream(LetterTokenizer(), request.stop)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(prompt: str, max_new_tokens: int = 3, seed: int = 0, **kw: object) -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, seed=seed, **kw)
+
+
+def expected_tokens(req: GenerateRequest) -> list[int]:
+    tokens: list[int] = []
+    while len(tokens) < req.max_new_tokens:
+        tokens.append(next_token(req, len(tokens)))
+        if tokens[-1] == EOS:
+            break
+    return tokens
+
+
+def run_all(scheduler: Scheduler, limit: int = 100) -> dict[str, list[StepOutput]]:
+    """Step until nothing is left; outputs by request id."""
+    by_id: dict[str, list[StepOutput]] = {}
+    for _ in range(limit):
+        if not scheduler.has_unfinished():
+            return by_id
+        for out in scheduler.step():
+            by_id.setdefault(out.request_id, []).append(out)
+    raise AssertionError("the scheduler did not finish")
+
+
+def finished_once(outputs: list[StepOutput]) -> StepOutput:
+    """Exactly one finished output, and it is the last one."""
+    ends = [o for o in outputs if o.finished]
+    assert len(ends) == 1 and outputs[-1] is ends[0], outputs
+    return ends[0]
+
+
+def test_ids_are_exact_and_unique():
+    scheduler = Scheduler(RuleRunner())
+    assert [scheduler.add_request(request(f"p{i}")) for i in range(3)] == ["req-0", "req-1", "req-2"]
+    assert scheduler.add_request(request("mine"), request_id="mine") == "mine"
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(request("again"), request_id="mine")
+    assert scheduler.num_waiting == 4 and scheduler.num_running == 0
+    outputs = run_all(scheduler)
+    assert sorted(outputs) == ["mine", "req-0", "req-1", "req-2"]
+    assert scheduler.add_request(request("reused"), request_id="mine") == "mine"  # free once finished
+
+
+def test_tokens_equal_the_rule_and_join_the_batch_the_step_after_prefill():
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8))
+    reqs = {scheduler.add_request(request(f"a{i}", max_new_tokens=2 + i, seed=i)): i for i in range(3)}
+    outputs = scheduler.step()
+    assert runner.prefills == ["a0", "a1", "a2"] and runner.batches == []  # prefill step: no decode
+    assert [o.token_ids for o in outputs] == [[next_token(request("x", seed=i), 0)] for i in range(3)]
+    late = scheduler.add_request(request("late", max_new_tokens=2, seed=9))
+    outputs += scheduler.step()
+    assert runner.batches == [["a0", "a1", "a2"]] and runner.prefills[-1] == "late"
+    outputs += scheduler.step()
+    assert runner.batches[-1] == ["a1", "a2", "late"]  # a0 (2 tokens) left, late joined
+    for outs in run_all(scheduler).values():
+        outputs += outs
+    assert runner.batches[-1] == ["a2"]
+    by_id = {rid: [o for o in outputs if o.request_id == rid] for rid in [*reqs, late]}
+    for rid, i in reqs.items():
+        want = expected_tokens(request(f"a{i}", max_new_tokens=2 + i, seed=i))
+        assert finished_once(by_id[rid]).generation.token_ids == want
+        assert [t for o in by_id[rid] for t in o.token_ids] == want
+    assert finished_once(by_id[late]).generation.token_ids == expected_tokens(
+        request("late", max_new_tokens=2, seed=9)
+    )
+
+
+def test_whole_outputs_equal_one_at_a_time():
+    reqs = [request(f"p{i} " * (i + 1), max_new_tokens=1 + i % 4, seed=i) for i in range(7)]
+    reqs.append(request("stops at eos", max_new_tokens=6))
+    for limit in (1, 3, 8):
+        scheduler = Scheduler(RuleRunner(), SchedulerConfig(max_running=limit))
+        ids = [scheduler.add_request(r) for r in reqs]
+        outputs = run_all(scheduler)
+        for rid, req in zip(ids, reqs, strict=True):
+            end = finished_once(outputs[rid])
+            streamed = [t for o in outputs[rid] for t in o.token_ids]
+            want = [t for t in expected_tokens(req) if t != EOS]
+            assert streamed == want == end.generation.token_ids, (limit, rid)
+            assert end.finish_reason == ("eos" if "eos" in str(req.prompt) else "length")
+
+
+def test_admission_in_arrival_order_within_max_running():
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=2))
+    for i in range(5):
+        scheduler.add_request(request(f"r{i}", max_new_tokens=2 if i == 0 else 4))
+    scheduler.step()
+    assert runner.prefills == ["r0", "r1"] and scheduler.num_running == 2 and scheduler.num_waiting == 3
+    scheduler.step()  # r0 finishes (2 tokens): its slot frees for the next step
+    assert runner.prefills == ["r0", "r1"] and scheduler.num_running == 1
+    scheduler.step()
+    assert runner.prefills == ["r0", "r1", "r2"]
+    run_all(scheduler)
+    assert runner.prefills == ["r0", "r1", "r2", "r3", "r4"]
+    assert max(len(b) for b in runner.batches) == 2
+
+
+LONG = "g h i j k l m n o p"  # 10 tokens
+
+
+def test_chunked_prefill_runs_between_decode_steps():
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=6))
+    for prompt in ("a b c", "d e f", LONG, "q"):
+        scheduler.add_request(request(prompt))
+    run_all(scheduler)
+    # step 1: 3 + 3 tokens; steps 2-3: 2 decode rows + 4-token chunks of LONG; step 4: its last 2, then q
+    assert runner.chunks == [("a b c", 3), ("d e f", 3), (LONG, 4), (LONG, 4), (LONG, 2), ("q", 1)]
+    assert runner.batches[:2] == [["a b c", "d e f"], ["a b c", "d e f"]]  # streams went on meanwhile
+    assert runner.prefills == ["a b c", "d e f", LONG, "q"]
+
+
+def test_unchunked_prefill_runs_whole_in_a_step_that_computes_nothing_else():
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=6, chunked_prefill=False))
+    for prompt in ("a b c", "whole " + LONG, "d e f"):
+        scheduler.add_request(request(prompt))
+    scheduler.step()
+    assert runner.chunks == [("a b c", 3)]  # the 11-token one does not fit after it
+    scheduler.step()
+    assert runner.chunks[-1] == ("whole " + LONG, 11) and len(runner.chunks) == 2  # alone, never starved
+    run_all(scheduler)
+    assert runner.prefills == ["a b c", "whole " + LONG, "d e f"]
+
+
+def test_abort_frees_the_sequence_at_the_next_step():
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=2))
+    a = scheduler.add_request(request("a", max_new_tokens=10))
+    b = scheduler.add_request(request("b", max_new_tokens=10))
+    waiting = scheduler.add_request(request("w", max_new_tokens=10))
+    scheduler.step()
+    assert scheduler.abort(a) and scheduler.abort(waiting)
+    assert not scheduler.abort("no-such-id")
+    outputs = scheduler.step()
+    ends = {o.request_id: o for o in outputs if o.finished}
+    assert ends[a].finish_reason == "abort" and ends[a].generation is not None
+    assert ends[a].generation.token_ids == expected_tokens(request("a", max_new_tokens=10))[:1]
+    assert ends[waiting].finish_reason == "abort" and ends[waiting].generation is None
+    assert runner.batches == [["b"]] and scheduler.num_running == 1 and scheduler.num_waiting == 0
+    assert not scheduler.abort(a)  # already gone
+    rest = run_all(scheduler)
+    assert set(rest) == {b} and finished_once(rest[b]).finish_reason == "length"
+    assert "w" not in runner.prefills
+
+
+def test_deadline_ends_waiting_and_running_requests_with_an_error():
+    clock = Clock()
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=1), clock=clock)
+    running = scheduler.add_request(request("run", max_new_tokens=10), timeout_s=5.0)
+    queued = scheduler.add_request(request("queued", max_new_tokens=2), timeout_s=1.0)
+    free = scheduler.add_request(request("free", max_new_tokens=2))
+    scheduler.step()
+    clock.now += 2.0
+    ends = {o.request_id: o for o in scheduler.step() if o.finished}
+    assert ends[queued].finish_reason == "deadline" and isinstance(ends[queued].error, DeadlineExceeded)
+    assert "1 s while waiting" in str(ends[queued].error)
+    clock.now += 4.0
+    ends = {o.request_id: o for o in scheduler.step() if o.finished}
+    assert ends[running].finish_reason == "deadline" and "while decoding" in str(ends[running].error)
+    assert len(ends[running].generation.token_ids) == 2  # what it had produced
+    rest = run_all(scheduler)
+    assert finished_once(rest[free]).finish_reason == "length" and "queued" not in runner.prefills
+    with pytest.raises(ValueError, match="timeout_s"):
+        scheduler.add_request(request("x"), timeout_s=0)
+
+
+def test_live_kv_budget_makes_admission_wait_and_refuses_what_never_fits():
+    runner = RuleRunner()
+    one = (1 + 3) * BYTES_PER_TOKEN  # a one-word prompt + 3 new tokens
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_live_kv_bytes=one + one // 2))
+    first = scheduler.add_request(request("a"))
+    second = scheduler.add_request(request("b"))
+    huge = scheduler.add_request(request("c " * 10))
+    scheduler.step()
+    assert runner.prefills == ["a"] and scheduler.num_waiting == 2  # b waits for a's KV
+    outputs = run_all(scheduler)
+    assert runner.prefills == ["a", "b"]
+    assert finished_once(outputs[first]).finish_reason == "length"
+    assert finished_once(outputs[second]).finish_reason == "length"
+    refused = finished_once(outputs[huge])
+    assert refused.finish_reason == "error" and "max_live_kv_bytes" in str(refused.error)
+
+
+def test_stop_string_ends_the_request_and_cuts_the_text():
+    # seed 0: tokens 3, 4, 5, ... -> letters d, e, f, ...
+    scheduler = Scheduler(RuleRunner())
+    rid = scheduler.add_request(request("s", max_new_tokens=8, stop=["fg"]))
+    outputs = run_all(scheduler)[rid]
+    end = finished_once(outputs)
+    assert end.finish_reason == "stop" and end.generation.text == "de"
+    assert "".join(o.text for o in outputs) == "de"
+
+
+def test_queue_full_and_failures_end_only_their_request():
+    runner = RuleRunner(fail_prefill="boom")
+    scheduler = Scheduler(runner, SchedulerConfig(max_waiting=3))
+    ok = scheduler.add_request(request("fine"))
+    bad = scheduler.add_request(request("boom"))
+    empty = scheduler.add_request(request(" ", chunks=["context"]))  # no prompt words: admission refuses
+    with pytest.raises(QueueFull):
+        scheduler.add_request(request("one too many"))
+    outputs = run_all(scheduler)
+    assert finished_once(outputs[bad]).finish_reason == "error"
+    assert "injected" in str(finished_once(outputs[bad]).error)
+    assert finished_once(outputs[empty]).finish_reason == "error"
+    assert finished_once(outputs[ok]).finish_reason == "length"
+    assert not scheduler.has_unfinished()
