@@ -7,7 +7,9 @@ Workloads (``--dataset``), both chat-templated as users send RAG prompts:
   every paragraph one chunk (``"Title: ...\\n<text>"``), padded with other questions' paragraphs to
   ``--target-tokens``, a system turn asking for a short answer, the question after the documents.
   Paragraphs recur across questions and are precomputed once (``engine.add_chunks``). Scored with
-  HotpotQA's official EM / F1 on the answer's first line.
+  HotpotQA's official EM / F1 on the answer :func:`~semkv.evaluation.hotpotqa.extract_answer` takes out
+  of the generation (leading "Answer:" / "The answer is" cues, first line, first sentence, no
+  parenthetical asides); ``em_raw`` / ``f1_raw`` score the generation's first line as it is.
 * ``essays``: Paul Graham essay chunks of ``--chunk-tokens`` tokens, each holding one inserted fact
   (a made-up person's code word, city or pet), ``--chunks`` of them per question (one variant per
   count), one worked example turn; scored by exact match (the answer occurs) and best-window F1.
@@ -19,7 +21,7 @@ every ``--selector`` at every ``--ratios`` (or the rows given by ``--row``). ``-
 adds, on the first questions, the deviation ablation (K / V / K+V, check layers, gradual filtering,
 the chunks' attention sink) around the default config.
 
-Columns: TTFT median and speed-up over full prefill (same run), EM, F1, the paired F1 difference to
+Columns: TTFT median and speed-up over full prefill (same run), EM, F1 (hotpotqa: also raw), the paired F1 difference to
 full prefill with its 95% interval (and questions gained / lost), first-token KL(full || row) and
 top-1 agreement, agreement with the full-prefill answer, degenerate loops (answers whose last 12
 tokens repeat a 3-gram 3+ times), tokens recomputed, and for blend rows the share of the selected
@@ -45,7 +47,7 @@ from semkv.engine import Engine
 from semkv.evaluation import metrics
 from semkv.evaluation.corpora import HOTPOT_DEV_SIZE, SPLIT_SEED, SPLITS, load_hotpotqa, split_ids
 from semkv.evaluation.documents import build_pool, build_questions, messages_for
-from semkv.evaluation.hotpotqa import RagBuilder, RagConfig, hotpot_score
+from semkv.evaluation.hotpotqa import RagBuilder, RagConfig, extract_answer, first_line, hotpot_score
 from semkv.prompt import build_layout
 from semkv.reuse.options import SINK_MODES, BlendConfig
 
@@ -68,11 +70,14 @@ class BenchCase:
 
 @dataclass
 class Workload:
-    """A named list of cases and how an answer is scored: ``score(text, answer) -> (em, f1)``."""
+    """A named list of cases and how an answer is scored: ``score(text, answer) -> {"em": .., "f1": ..,
+    ...}`` (em / f1 the headline, other keys extra columns); ``answer(text)`` is the answer a generation
+    holds, compared across rows for agreement with full prefill."""
 
     name: str
     cases: list[BenchCase]
-    score: Callable[[str, str], tuple[float, float]]
+    score: Callable[[str, str], dict[str, float]]
+    answer: Callable[[str], str] = first_line
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,18 +92,14 @@ class RowSpec:
 # -- workloads ------------------------------------------------------------------------------------------
 
 
-def first_line(text: str) -> str:
-    """The answer as HotpotQA scores it: the first non-empty line of the generation."""
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+def score_hotpot(text: str, answer: str) -> dict[str, float]:
+    """HotpotQA EM / F1 of the extracted answer, and (``*_raw``) of the generation's first line as is."""
+    extracted, raw = hotpot_score(extract_answer(text), answer), hotpot_score(first_line(text), answer)
+    return {"em": extracted.em, "f1": extracted.f1, "em_raw": raw.em, "f1_raw": raw.f1}
 
 
-def score_hotpot(text: str, answer: str) -> tuple[float, float]:
-    result = hotpot_score(first_line(text), answer)
-    return result.em, result.f1
-
-
-def score_essay(text: str, answer: str) -> tuple[float, float]:
-    return float(metrics.exact_match(text, answer)), metrics.best_answer_f1(text, answer)
+def score_essay(text: str, answer: str) -> dict[str, float]:
+    return {"em": float(metrics.exact_match(text, answer)), "f1": metrics.best_answer_f1(text, answer)}
 
 
 def hotpot_workload(
@@ -119,7 +120,7 @@ def hotpot_workload(
         "target_tokens": target_tokens,
         "seed": seed,
     }
-    return Workload("hotpotqa", cases, score_hotpot, config)
+    return Workload("hotpotqa", cases, score_hotpot, extract_answer, config)
 
 
 def essay_workloads(tokenizer, args: argparse.Namespace) -> list[Workload]:
@@ -141,7 +142,9 @@ def essay_workloads(tokenizer, args: argparse.Namespace) -> list[Workload]:
             )
             for i, q in enumerate(questions)
         ]
-        out.append(Workload(f"{count} chunks", cases, score_essay, {"chunks": count, "seed": args.seed}))
+        out.append(
+            Workload(f"{count} chunks", cases, score_essay, config={"chunks": count, "seed": args.seed})
+        )
     return out
 
 
@@ -291,12 +294,11 @@ def _record(
 ) -> dict[str, Any]:
     """What is kept of one row on one case (logits only for full prefill, the KL reference)."""
     stats = out["stats"]
-    em, f1 = workload.score(out["text"], case.answer)
     record: dict[str, Any] = {
         "id": case.id,
         "text": out["text"],
-        "em": em,
-        "f1": f1,
+        "extracted": workload.answer(out["text"]),
+        **workload.score(out["text"], case.answer),
         "ttft_s": stats["ttft_s"],
         "prompt_tokens": stats["prompt_tokens"],
         "recomputed": stats["recomputed_tokens"],
@@ -340,14 +342,13 @@ def summarise(variant: str, label: str, records: list[dict], full: list[dict]) -
         "speedup": full_ttft / ttft,
         "em": _mean([r["em"] for r in records]),
         "f1": _mean([r["f1"] for r in records]),
+        "em_raw": _mean([r["em_raw"] for r in records]) if "em_raw" in records[0] else "",
+        "f1_raw": _mean([r["f1_raw"] for r in records]) if "f1_raw" in records[0] else "",
         "kl": _mean([r["kl"] for r in records]),
         "top1": _mean([float(r["top1"]) for r in records]),
         "agree_full": _mean(
             [
-                float(
-                    metrics.normalize_answer(first_line(r["text"]))
-                    == metrics.normalize_answer(first_line(f["text"]))
-                )
+                float(metrics.normalize_answer(r["extracted"]) == metrics.normalize_answer(f["extracted"]))
                 for r, f in zip(records, full, strict=True)
             ]
         ),
@@ -371,6 +372,8 @@ COLUMNS = [
     "speedup",
     "em",
     "f1",
+    "em_raw",
+    "f1_raw",
     "f1_diff",
     "f1_low",
     "f1_high",
@@ -439,13 +442,14 @@ def _notes(workloads: list[Workload]) -> str:
     return (
         "speedup = full-prefill TTFT median / row TTFT median (same run). em / f1: "
         + (
-            "HotpotQA's official scoring of the answer's first line; "
+            "HotpotQA's official scoring of the extracted answer (leading answer cues, first line, first "
+            "sentence, no parenthetical asides); em_raw / f1_raw: of the generation's first line as is; "
             if workloads[0].name == "hotpotqa"
             else ""
         )
         + "f1_diff = mean paired F1 difference to full prefill with its 95% interval [f1_low, f1_high], "
         "gained / lost = questions scored higher / lower; kl = KL(full || row) of the first generated token; "
-        "agree_full = same normalised first line as full prefill; loops = answers whose last 12 tokens repeat "
+        "agree_full = same normalised answer as full prefill; loops = answers whose last 12 tokens repeat "
         "a 3-gram 3+ times; first8 / gold_share = share of the selected chunk tokens among the first 8 of their "
         "chunk / inside the gold chunks.\n"
     )

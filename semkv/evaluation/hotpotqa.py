@@ -15,7 +15,10 @@ conversation with the documents written into the user turn, for clients without 
 
 Scoring is HotpotQA's own (``hotpot_evaluate_v1.py``): SQuAD normalisation, exact match as equality
 of the normalised strings, token F1, and a prediction or gold answer of "yes" / "no" / "noanswer"
-scores 0 unless both normalise to the same word.
+scores 0 unless both normalise to the same word. Small instruct models wrap their answer
+("The answer is: Nils Gaup.", "\\nAnswer: 1989\\n\\nQuestion: ..."), so :func:`extract_answer` takes the
+answer out of a generation first (leading answer cues, first line, first sentence); the official
+normalisation is applied after it.
 
 Questions come from the seeded dev/test splits of :mod:`semkv.evaluation.corpora`; each case's own
 randomness is ``random.Random(f"{config.seed}:{item.id}")``, so a question gets the same case
@@ -25,6 +28,7 @@ whatever other questions are built with it.
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +43,22 @@ RAG_INSTRUCTION = (
     "with no explanation."
 )
 SPECIAL_ANSWERS = ("yes", "no", "noanswer")
+
+# A leading answer cue: "Answer:", "The answer is:", "The answer is", "The answer to this question is:",
+# "Final answer:", "A:" (any case), with the whitespace (newlines included) after it.
+_ANSWER_CUE = re.compile(
+    r"\s*(?:(?:the\s+)?(?:final\s+|short\s+|correct\s+)?answer(?:\s+to\s+(?:this|the)\s+question)?"
+    r"(?:\s*:|\s+is\s*:?)|a\s*:)\s*",
+    re.IGNORECASE,
+)
+# A sentence end candidate: a word, then ., ! or ?, whitespace, and a capital or a quote ("Gaup. He");
+# "No. 1", "Jan. 5" and "Pub.L." are not candidates. The word must end in two lower-case letters or
+# digits and not be a title ("St. Louis", "U.S. Army", "Mrs. Smith" do not end a sentence).
+_SENTENCE_END = re.compile(r"(\w+)[.!?]\s+(?=[A-Z\"'])")
+_TITLES = frozenset({"mr", "mrs", "ms", "dr", "st", "jr", "sr", "prof", "gen", "col", "lt", "rev", "vs"})
+# A parenthetical aside, closed or cut off by the token limit: "Bruce Conner (born 16 May 1961".
+_PARENTHETICAL = re.compile(r"\s*\([^)]*(?:\)|$)")
+_TRAILING = " \t.,;:!?"
 
 
 def paragraph_text(paragraph: Paragraph) -> str:
@@ -229,6 +249,36 @@ class HotpotScore:
     f1: float
     precision: float
     recall: float
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of a generation, stripped ("" if there is none)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def extract_answer(text: str) -> str:
+    """The answer inside a generation: leading answer cues removed (repeatedly: "Answer:\\nAnswer: X"),
+    then the first non-empty line without parenthetical asides, its first sentence, without trailing
+    punctuation.
+
+    ``"The answer is:\\n\\n2012."`` -> ``"2012"``; ``"\\nAnswer: Las Vegas, Nevada\\n\\nQuestion: ..."`` ->
+    ``"Las Vegas, Nevada"``; ``"Answer: Bruce Conner (born 1933). He ..."`` -> ``"Bruce Conner"``. A cue
+    that does not open the generation is kept (the text is not searched for one).
+    """
+    rest = text
+    while (cue := _ANSWER_CUE.match(rest)) is not None and cue.end() > 0:
+        rest = rest[cue.end() :]
+    line = _PARENTHETICAL.sub("", first_line(rest))
+    return first_sentence(line).rstrip(_TRAILING)
+
+
+def first_sentence(line: str) -> str:
+    """``line`` up to its first sentence end (see ``_SENTENCE_END``), the end's punctuation kept."""
+    for end in _SENTENCE_END.finditer(line):
+        word = end.group(1)
+        if re.fullmatch(r".*[a-z0-9]{2}", word) and word.lower() not in _TITLES:
+            return line[: end.end(1) + 1]
+    return line
 
 
 def hotpot_score(prediction: str, answer: str) -> HotpotScore:

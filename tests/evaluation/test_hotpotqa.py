@@ -4,7 +4,8 @@ Injected: real HotpotQA dev questions (test split), the SmolLM2 tokenizer. Must 
 each of its paragraphs once, rendered identically in every case (so chunk KV can be reused), the
 supporting paragraphs at seeded positions; padding brings the prompt to just under the target as the
 chat layout counts it; the same seed gives the same cases; the rendered conversation is the layout's
-text; EM/F1 match hand-computed values, including HotpotQA's yes/no/noanswer rule.
+text; EM/F1 match hand-computed values, including HotpotQA's yes/no/noanswer rule; the answer is
+extracted from generations as the small models write them (cases from the dev-split runs) and scored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from semkv.evaluation.hotpotqa import (
     RagBuilder,
     RagConfig,
     build_rag_cases,
+    extract_answer,
     hotpot_score,
     paragraph_text,
     rag_layout,
@@ -122,3 +124,43 @@ def test_squad_case_holds_its_paragraph_among_its_articles():
     assert squad_case(item, paragraphs=1).chunks == (item.context,)
     with pytest.raises(ValueError, match="paragraphs"):
         squad_case(item, paragraphs=0)
+
+
+@pytest.mark.parametrize(
+    "generation, expected",
+    [
+        ("The answer is: Nils Gaup.", "Nils Gaup"),  # SmolLM2's usual form
+        ("The answer is Ronnie Radke.", "Ronnie Radke"),  # the cue without a colon
+        ("The answer to this question is: Mark Pavelich", "Mark Pavelich"),
+        ("The answer is:\n\n2012.", "2012"),  # the answer on a later line than its cue
+        ("\n\nAnswer: 1989\n\nQuestion: The Black Stallion is", "1989"),  # Gemma 3's usual form
+        ("\nAnswer:  Sydney, Australia\n\nQuestion:  No. 1", "Sydney, Australia"),
+        ("\nAnswer:\nAnswer:\nAnswer:\n", ""),  # repeated cues, no answer
+        ("A: St. Louis, Missouri. It is a city", "St. Louis, Missouri"),  # "St." ends no sentence
+        ("answer: U.S. Army. Next", "U.S. Army"),
+        ("The answer is: Mrs. Smith", "Mrs. Smith"),
+        ("Final Answer: Jan. 5, 1990. Then", "Jan. 5, 1990"),
+        ("\nAnswer: Bruce Conner (born 16 May 1961", "Bruce Conner"),  # cut-off parenthetical
+        ("Answer: Bruce Conner (born 1933) was a Swedish artist", "Bruce Conner was a Swedish artist"),
+        ("1956?\n\nAnswer: The Commission", "1956"),  # a cue not at the start is not searched for
+        ("Answering machines record calls.", "Answering machines record calls"),  # not a cue
+        ("Title: The Black Stallion (film)\nTitle: x", "Title: The Black Stallion"),
+        ("", ""),
+    ],
+)
+def test_extract_answer_takes_the_answer_out_of_a_generation(generation, expected):
+    assert extract_answer(generation) == expected
+
+
+@pytest.mark.parametrize(
+    "generation, answer, em, f1",
+    [
+        ("The answer is: Dave Brockie.", "Dave Brockie", 1, 1),  # raw first line: F1 2/3, EM 0
+        ("\nAnswer: Bruce Conner (born 16 May 1961", "Bruce Conner", 1, 1),  # raw: F1 4/9
+        ("\nAnswer: Ronnie Radke or Dave Brockie\n\nTitle: x", "Dave Brockie", 0, 4 / 7),  # P 2/5, R 1
+        ("The answer is: yes, he was.", "yes", 0, 0),  # HotpotQA's yes/no rule still applies
+    ],
+)
+def test_extracted_answers_score_as_hand_computed(generation, answer, em, f1):
+    score = hotpot_score(extract_answer(generation), answer)
+    assert (score.em, score.f1) == (em, pytest.approx(f1))
