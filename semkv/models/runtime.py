@@ -59,10 +59,10 @@ class RecomputeSelector(Protocol):
 class LayerInputs:
     """What a :class:`RecomputeSelector` sees of one layer besides the KV of the active rows.
 
-    queries: [nh, A, d] pre-RoPE queries of the active rows; cos, sin: [A, d] their rotary tables
-    (:meth:`rotated_queries` applies them on demand); q_pos: [A] their positions.
-    keys: [kvh, T, d] rotated keys of every cache row at this layer (the active rows' fresh keys
-    already written); k_pos: [T]. first_row: the cache row of offset 0 (``forward_rows``' start).
+    queries: [nh, A, d] pre-RoPE queries of the active rows, in the compute dtype; cos, sin: [A, d]
+    their rotary tables (:meth:`rotated_queries` applies them on demand, in fp32); q_pos: [A] their
+    positions. keys: [kvh, T, d] rotated keys of every cache row at this layer, in the compute dtype
+    (the active rows' fresh keys already written); k_pos: [T]. first_row: the cache row of offset 0 (``forward_rows``' start).
     scaling: the layer's softmax scale; window: its sliding window, or None.
     """
 
@@ -77,8 +77,8 @@ class LayerInputs:
     window: int | None
 
     def rotated_queries(self) -> Tensor:
-        """[nh, A, d] the active rows' queries at their positions."""
-        return apply_rope(self.queries, self.cos, self.sin)
+        """[nh, A, d] the active rows' queries at their positions, in float32 (selectors score in fp32)."""
+        return apply_rope(self.queries.float(), self.cos, self.sin)
 
 
 class KeyGatherer(Protocol):
@@ -224,11 +224,11 @@ class Runtime:
                 cached_v = cache.v[layer][:, rows].float()
                 k_pre = self._write(cache, layer, rows, k, v, cos, sin)
                 inputs = LayerInputs(
-                    q.float(),
+                    q,
                     cos,
                     sin,
                     q_pos,
-                    cache.keys(layer).float(),
+                    cache.keys(layer),
                     cache.valid_positions(),
                     start,
                     a.scaling(layer),

@@ -160,7 +160,7 @@ class QueryProbe:
             return
         mass = query_attention(
             inputs.rotated_queries()[:, asking],
-            inputs.keys,
+            inputs.keys.float(),
             inputs.q_pos[asking],
             inputs.k_pos,
             inputs.scaling,
