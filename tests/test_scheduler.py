@@ -291,6 +291,22 @@ def test_deadline_ends_waiting_and_running_requests_with_an_error():
         scheduler.add_request(request("x"), timeout_s=0)
 
 
+def test_deadline_counts_from_arrival_before_the_request_was_queued():
+    """A request that waited ``waited_s`` before it reached the scheduler (a server tokenizing it behind
+    other work) has that much less time: past its deadline already, it ends at the next step unrun."""
+    clock = Clock()
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=4), clock=clock)
+    late = scheduler.add_request(request("late", max_new_tokens=2), timeout_s=1.0, waited_s=1.5)
+    near = scheduler.add_request(request("near", max_new_tokens=8), timeout_s=1.0, waited_s=0.5)
+    ends = {o.request_id: o for o in scheduler.step() if o.finished}
+    assert ends[late].finish_reason == "deadline" and "1 s while waiting" in str(ends[late].error)
+    assert "late" not in runner.prefills and near not in ends
+    clock.now += 0.6
+    ends = {o.request_id: o for o in scheduler.step() if o.finished}
+    assert ends[near].finish_reason == "deadline"
+
+
 def test_live_kv_budget_makes_admission_wait_and_refuses_what_never_fits():
     runner = RuleRunner()
     one = (1 + 3) * BYTES_PER_TOKEN  # a one-word prompt + 3 new tokens

@@ -74,7 +74,6 @@ PUBLIC_STATS = frozenset(
         "decode_s",
         "decode_ms_per_token",
         "server_ttft_s",
-        "deadline_exceeded",
         "sparse_policy",
         "sparse_steps",
         "kv_budget",
@@ -299,18 +298,11 @@ class ServerState:
     ) -> asyncio.Queue[StepOutput]:
         """Queue one generation on the engine thread; returns the queue of its step outputs. Its deadline
         counts from ``started`` (the request's arrival): time spent waiting for the engine to tokenize it
-        (e.g. behind a document upload) counts too, and a request already past it is a 504 here."""
+        (e.g. behind a document upload) counts too, so a request already past it ends at the scheduler's
+        next step (a 504) without running."""
         try:
             request = await run_in_threadpool(self.request_of, kwargs, default_max, stop)
             waited = time.perf_counter() - started
-            if waited >= self.config.request_timeout_s:
-                raise APIError(
-                    504,
-                    f"the request was not started within its {self.config.request_timeout_s:g} s deadline "
-                    "(the server is busy); retry later",
-                    None,
-                    "deadline_exceeded",
-                )
             return self.loop.submit(request, request_id, self.config.request_timeout_s, waited)
         except APIError:
             raise

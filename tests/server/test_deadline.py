@@ -7,9 +7,9 @@ upload of 64 documents of ~1,500 tokens holds the engine for a second or more.
 
 Must hold: the long generation ends at its deadline — answered within 2.5 s with a 504
 ``deadline_exceeded`` (streamed: an SSE error event, then ``[DONE]``); the completion that arrived
-during the upload, whose deadline (counted from its arrival, not from when the engine could take it)
-passed before it could start, is a 504 ``deadline_exceeded`` and never runs; the server then serves a
-short request normally.
+during the upload, whose deadline passed before it could start, is a 504 ``deadline_exceeded`` and never
+runs; the server then serves a short request normally. (That the deadline counts from arrival, time
+spent before the request reached the scheduler included, is checked in tests/test_scheduler.py.)
 """
 
 from __future__ import annotations
