@@ -150,10 +150,10 @@ def sweep_rows(
 def plot_sweep(out: str, rows: list[dict[str, Any]]) -> list[str]:
     xs = [r["clients"] for r in rows]
 
-    def series(key: str, scale: float = 1.0) -> dict[str, tuple[list[int], list[float]]]:
+    def series(key: str, name: str = "") -> dict[str, tuple[list[int], list[float]]]:
         return {
-            f"{label} {key}": (xs, [scale * r[f"{prefix}_{key}"] for r in rows])
-            for prefix, label in (("off", "max running 1"), ("on", "batching"))
+            f"{label} {name}".strip(): (xs, [r[f"{prefix}_{key}"] for r in rows])
+            for prefix, label in (("off", "no batching (max running 1)"), ("on", "batching"))
         }
 
     paths = [
@@ -166,14 +166,14 @@ def plot_sweep(out: str, rows: list[dict[str, Any]]) -> list[str]:
         ),
         line_plot(
             f"{out}/batching_sweep_ttft.png",
-            {**series("ttft_p50_s"), **series("ttft_p99_s")},
+            {**series("ttft_p50_s", "p50"), **series("ttft_p99_s", "p99")},
             "concurrent clients",
             "TTFT (s)",
             "Serving mix: TTFT p50 / p99",
         ),
         line_plot(
             f"{out}/batching_sweep_itl.png",
-            {**series("itl_p50_ms"), **series("itl_p99_ms")},
+            {**series("itl_p50_ms", "p50"), **series("itl_p99_ms", "p99")},
             "concurrent clients",
             "inter-token latency (ms)",
             "Serving mix: inter-token latency p50 / p99",
