@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from semkv.bench.batching_long import server_configs
-from semkv.bench.batching_sweep import parse_counts, requests_for
+from semkv.bench.batching_sweep import parse_counts, requests_for, sweep_rows
 from semkv.bench.serve import Outcome, percentile
 from semkv.bench.serving_mix import (
     MIX,
@@ -122,3 +122,28 @@ def test_sweep_arguments():
     assert server_configs("256")[0][1] == ["--max-batched-tokens", "256"]
     with pytest.raises(ValueError, match="--chunk-sizes"):
         server_configs("8")
+
+
+def test_sweep_rows_put_the_modes_side_by_side():
+    def point(tokens_per_s: float, ttft: float, texts: list[str]):
+        summary = {
+            "requests": len(texts),
+            "output_tokens_per_s": tokens_per_s,
+            "requests_per_s": tokens_per_s / 10,
+            "ttft_p50_s": ttft,
+            "ttft_p99_s": 2 * ttft,
+            "itl_p50_ms": 30.0,
+            "itl_p99_ms": 60.0,
+        }
+        return summary, [Outcome(i, ttft, 1.0, t) for i, t in enumerate(texts)]
+
+    results = {
+        "no batching": {1: point(10.0, 1.0, ["a", "b"]), 4: point(12.0, 4.0, ["a", "b"])},
+        "batching": {1: point(11.0, 1.0, ["a", "b"]), 4: point(30.0, 0.5, ["a", "x"])},
+    }
+    rows = sweep_rows([1, 4], results)
+    assert [r["clients"] for r in rows] == [1, 4]
+    assert rows[0]["tokens_per_s_ratio"] == pytest.approx(1.1) and rows[1]["tokens_per_s_ratio"] == 2.5
+    assert rows[1]["off_ttft_p50_s"] == 4.0 and rows[1]["on_ttft_p50_s"] == 0.5
+    assert rows[1]["on_ttft_p99_s"] == 1.0 and rows[1]["off_itl_p99_ms"] == 60.0
+    assert rows[0]["same_answers"] == 1.0 and rows[1]["same_answers"] == 0.5
