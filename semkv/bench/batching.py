@@ -8,6 +8,10 @@ user-visible decode ms/token (first streamed text to last, over the tokens after
 behind other requests' prefills included), and whether each answer equals the one-at-a-time answer.
 Then, in process, the decode step time at batch 1 / 4 / 8 over prompts of the workload's length:
 one ``decode_batch`` of B sequences against B one-sequence steps.
+
+``--sweep 1,2,4,8,16``: the serving mix from each number of concurrent clients, batching on vs off
+(:mod:`semkv.bench.batching_sweep`). ``--long-prompt-tokens 7900``: a short request arriving while a
+long prompt is prefilled, chunked prefill vs none (:mod:`semkv.bench.batching_long`).
 """
 
 from __future__ import annotations

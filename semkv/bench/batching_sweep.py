@@ -18,8 +18,9 @@ inter-token latency p50/p99 (gaps between consecutive streamed chunks, client si
 between the modes; then batching / no batching of output tokens/s. Plots next to the JSON.
 
 Sizing: requests per point = max(``--requests``, 2 x clients), ``--requests 8 --max-tokens 32``
-gives 8/8/8/16/32 requests for 1/2/4/8/16 clients (72 per mode); with ``--threads 2`` a full sweep took
-about 12 min on the 2-core dev machine (the no-batching mode is most of it).
+gives 8/8/8/16/32 requests for 1/2/4/8/16 clients (72 per mode); with ``--threads 2`` (the servers'
+torch threads) the full sweep took 6.8 min on the 2-core dev machine, the two server starts included
+(the no-batching mode is most of it), which leaves room for ``--max-tokens 64`` within ~12 min.
 """
 
 from __future__ import annotations
