@@ -8,6 +8,10 @@ user-visible decode ms/token (first streamed text to last, over the tokens after
 behind other requests' prefills included), and whether each answer equals the one-at-a-time answer.
 Then, in process, the decode step time at batch 1 / 4 / 8 over prompts of the workload's length:
 one ``decode_batch`` of B sequences against B one-sequence steps.
+
+``--sweep 1,2,4,8,16``: the serving mix from each number of concurrent clients, batching on vs off
+(:mod:`semkv.bench.batching_sweep`). ``--long-prompt-tokens 7900``: a short request arriving while a
+long prompt is prefilled, chunked prefill vs none (:mod:`semkv.bench.batching_long`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,45 @@ STEP_REPEATS = 8
 def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_arguments(p)
     p.add_argument("--max-running", type=int, default=8, help="the batched server's --max-running")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="N,N,...",
+        help="sweep these numbers of concurrent clients over the serving mix, batching on and off "
+        "(see semkv.bench.batching_sweep)",
+    )
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=0,
+        help="the long-prompt scenario: a short request arriving while a prompt of this many tokens is "
+        "prefilled, chunked prefill vs none (see semkv.bench.batching_long)",
+    )
+    p.add_argument(
+        "--max-batched-tokens", type=int, default=512, help="the servers' --max-batched-tokens (sweep)"
+    )
+    p.add_argument(
+        "--chunk-sizes",
+        default="256,512",
+        help="long-prompt scenario: the chunked servers' --max-batched-tokens, comma-separated",
+    )
+    p.add_argument(
+        "--short-delay",
+        type=float,
+        default=1.0,
+        help="long-prompt scenario: seconds from the long request to the short",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="long-prompt scenario: long+short pairs per server")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=2048,
+        help="sweep: tokens of the mix's long (sparse-decoded) prompts",
+    )
+    p.add_argument(
+        "--sparse-policy", default="quest", help="sweep: the long prompts' sparse policy (set per request)"
+    )
+    p.add_argument("--sparse-budget", type=float, default=0.1, help="sweep: the long prompts' kv_budget")
 
 
 def batching_row(label: str, outcomes: list[Outcome], wall_s: float, reference: list[Outcome] | None) -> dict:
@@ -126,6 +169,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads or 1)
+    if args.sweep:
+        from semkv.bench.batching_sweep import run_sweep
+
+        return run_sweep(args)
+    if args.long_prompt_tokens:
+        from semkv.bench.batching_long import run_long_prompt
+
+        return run_long_prompt(args)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.max_running < 2:
         raise ValueError("--clients, --requests, --max-tokens must be >= 1 and --max-running >= 2")
 

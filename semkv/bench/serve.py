@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import tempfile
 import time
@@ -99,14 +100,15 @@ class Outcome:
     latency_s: float
     text: str
     stats: dict[str, Any] = field(default_factory=dict)
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed text chunk
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
+    """Nearest-rank percentile (q in [0, 100]): the smallest value with at least q% of the values <= it."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered) / 100)))
     return ordered[rank - 1]
 
 
@@ -123,7 +125,7 @@ def start_local_server(
     return ServeProcess(args.model, home, *extra, *more, port=args.port if port is None else port, cpus=cpus)
 
 
-def _tokenizer(args: argparse.Namespace):
+def load_tokenizer(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     from semkv.models.loader import resolve_checkpoint
@@ -135,7 +137,7 @@ def _tokenizer(args: argparse.Namespace):
 
 def build_workload(args: argparse.Namespace) -> tuple[list[str], list[tuple[list[int], str]]]:
     """(document pool, requests as (document indices, question)), seeded."""
-    tokenizer = _tokenizer(args)
+    tokenizer = load_tokenizer(args)
     names = sorted(essays())
     if args.docs > len(names):
         raise ValueError(f"--docs must be <= {len(names)}")
@@ -159,14 +161,19 @@ def stream_one(
         "messages": [{"role": "user", "content": question}],
         "max_tokens": body_extra.pop("max_tokens"),
         "temperature": 0,
-        "stream": True,
         "semkv": body_extra,
     }
+    return stream_chat(client, body, index)
+
+
+def stream_chat(client: httpx.Client, body: dict[str, Any], index: int) -> Outcome:
+    """POST ``body`` as a streaming chat completion; TTFT is sent -> first text, and every text chunk's
+    arrival time (perf_counter) is kept (inter-token latencies)."""
     start = time.perf_counter()
-    first: float | None = None
+    times: list[float] = []
     parts: list[str] = []
     stats: dict[str, Any] = {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         if response.status_code != 200:
             raise RuntimeError(f"request {index}: HTTP {response.status_code}: {response.read()[:300]!r}")
         for line in response.iter_lines():
@@ -178,11 +185,12 @@ def stream_one(
             for choice in chunk.get("choices", []):
                 content = choice.get("delta", {}).get("content")
                 if content:
-                    first = first if first is not None else time.perf_counter()
+                    times.append(time.perf_counter())
                     parts.append(content)
             stats = chunk.get("semkv", stats)
     end = time.perf_counter()
-    return Outcome(index, (first if first is not None else end) - start, end - start, "".join(parts), stats)
+    ttft = (times[0] if times else end) - start
+    return Outcome(index, ttft, end - start, "".join(parts), stats, times)
 
 
 def run_mode(
