@@ -8,8 +8,10 @@
 2. continues the prefills in progress, then admits waiting requests in arrival order while the limits
    allow (running sequences, tokens computed in the step, live-KV bytes) and starts theirs. A step
    computes at most ``max_batched_tokens`` tokens (one per decoding sequence + prompt tokens): a long
-   full prefill goes in chunks over several steps, so running streams wait at most one chunk; a
-   prefill that completes gives its request's first token in this step;
+   full prefill goes in chunks over several steps, so running streams wait at most one chunk; while
+   requests wait, the prefills in progress take at most half of the budget, so an arrival starts
+   during a long prefill rather than after it; a prefill that completes gives its request's first
+   token in this step;
 3. decodes every sequence that was running before this step by one token, in one batched forward;
 4. returns a :class:`StepOutput` for each request that produced text or finished.
 
@@ -254,8 +256,9 @@ class Scheduler(Generic[S, J]):
         decoding = list(self.running)  # decoded in this step; prefills completing now start the next one
         budget = self.config.max_batched_tokens - len(decoding)
         computed, completed = 0, 0
+        share = self._prefill_share(budget)
         for entry in list(self.prefilling):
-            done, tokens = self._advance(entry, budget - computed, computed, outputs)
+            done, tokens = self._advance(entry, share - computed, computed, outputs)
             computed, completed = computed + tokens, completed + done
         for entry in self._admit(outputs, budget - computed, computed):
             if self._begin(entry, outputs):
@@ -268,6 +271,15 @@ class Scheduler(Generic[S, J]):
             len(batch), completed, computed, self.clock() - start, len(self.prefilling)
         )
         return outputs
+
+    def _prefill_share(self, budget: int) -> int:
+        """Tokens the prefills in progress may compute in this step: the whole budget, or half of it
+        while a waiting request could be admitted, so a request arriving during a long chunked prefill
+        starts in the next step instead of after the whole prompt (the long prefill still advances by
+        at least half a budget every step: arrivals never starve it)."""
+        if self.waiting and self.prefilling and self.num_running < self.config.max_running:
+            return max(1, budget // 2)
+        return budget
 
     def _take_inbox(self, outputs: list[StepOutput]) -> None:
         with self._lock:

@@ -229,10 +229,36 @@ def test_chunked_prefill_runs_between_decode_steps():
     for prompt in ("a b c", "d e f", LONG, "q"):
         scheduler.add_request(request(prompt))
     run_all(scheduler)
-    # step 1: 3 + 3 tokens; steps 2-3: 2 decode rows + 4-token chunks of LONG; step 4: its last 2, then q
-    assert runner.chunks == [("a b c", 3), ("d e f", 3), (LONG, 4), (LONG, 4), (LONG, 2), ("q", 1)]
+    # step 1: 3 + 3 tokens; step 2: 2 decode rows + a 4-token chunk of LONG; step 3: q waits, so LONG
+    # takes half of the 4 tokens left and q is prefilled; step 4: 1 decode row + LONG's last 4
+    assert runner.chunks == [("a b c", 3), ("d e f", 3), (LONG, 4), (LONG, 2), ("q", 1), (LONG, 4)]
     assert runner.batches[:2] == [["a b c", "d e f"], ["a b c", "d e f"]]  # streams went on meanwhile
-    assert runner.prefills == ["a b c", "d e f", LONG, "q"]
+    assert runner.prefills == ["a b c", "d e f", "q", LONG]  # q, arriving during LONG, finished first
+
+
+def test_an_arrival_during_a_long_chunked_prefill_starts_in_the_next_step():
+    """A short request added while a 40-token prompt is prefilled in 8-token chunks gets its first token
+    in the next step (the long prefill yields half of the budget while a request waits), and arrivals
+    every step never starve the long prefill: it still computes half of the step's budget left after the
+    decode rows (3 or 4 tokens) every step."""
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=8))
+    long_prompt = " ".join(f"w{i}" for i in range(40))
+    scheduler.add_request(request(long_prompt))
+    scheduler.step()
+    assert runner.chunks == [(long_prompt, 8)]
+    short = scheduler.add_request(request("s t"))
+    outputs = scheduler.step()
+    assert runner.chunks[1:] == [(long_prompt, 4), ("s t", 2)]
+    assert [o.request_id for o in outputs if o.token_ids] == [short]  # its first token, this step
+    for i in range(20):  # an arrival every step
+        scheduler.add_request(request(f"x{i}", max_new_tokens=1))
+        scheduler.step()
+        if long_prompt in runner.prefills:
+            break
+    long_chunks = [n for prompt, n in runner.chunks if prompt == long_prompt]
+    assert sum(long_chunks) == 40 and min(long_chunks[:-1]) >= 3, long_chunks  # the last: what was left
+    run_all(scheduler)
 
 
 def test_unchunked_prefill_runs_whole_in_a_step_that_computes_nothing_else():
