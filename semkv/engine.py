@@ -39,7 +39,7 @@ from semkv.models.runtime import Runtime
 from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
 from semkv.prompt import PromptLayout, build_layout, tokenize_text
 from semkv.request import GenerateRequest, Generation
-from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath
+from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath, TailPrefillPath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
 from semkv.reuse.registry import FULL, build_paths
@@ -252,29 +252,21 @@ class Engine:
                 kv_budget=kv_budget,
                 capture=capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries),
                 started=start,
+                tail_prefill=isinstance(self.paths[plan.path], TailPrefillPath),
                 notes=sparse_notes,
             )
 
     def advance_prefill(self, job: PrefillJob, max_tokens: int | None = None) -> int:
         """Compute up to ``max_tokens`` more prompt tokens of ``job`` (None: all that is left); returns the
-        tokens computed. Only a full prefill without query capture goes in pieces (``job.chunkable``):
-        each piece's queries attend to every row before them. The reuse paths (prefix, blend, share) run
-        their plan in one piece: their recompute selects rows layer by layer over the whole prompt."""
+        tokens computed. A job whose path loads reused leading rows and prefills the rest exactly (full
+        prefill, prefix reuse) goes in pieces when it has no query capture (``job.chunkable``): the first
+        piece loads the reused rows, each piece's queries attend to every row before them. Blend and share
+        run their plan in one piece: their recompute selects rows layer by layer over the whole prompt."""
         with self._lock:
             if job.done:
                 return 0
-            if job.chunkable and (
-                job.computed > 0 or (max_tokens is not None and job.remaining > max_tokens)
-            ):
-                take = job.remaining if max_tokens is None else min(job.remaining, max(1, max_tokens))
-                ids = job.layout.token_ids[job.computed : job.computed + take]
-                logits = self.runtime.prefill(job.cache, ids)
-                job.computed += take
-                job.chunks += 1
-                if job.remaining == 0:
-                    info = {"prefill_chunks": job.chunks}
-                    job.outcome = PrefillOutcome(logits, FULL, 0, len(job.layout), exact=True, info=info)
-                return take
+            if job.chunkable:
+                return self._advance_tail(job, max_tokens)
             if job.capture:
                 with capture_prefill_queries(job.cache) as queries:
                     job.outcome = self.paths[job.plan.path].prefill(self.ctx, job.plan, job.cache)
@@ -285,6 +277,30 @@ class Engine:
                 job.outcome = self.paths[job.plan.path].prefill(self.ctx, job.plan, job.cache)
             take, job.computed = len(job.layout) - job.computed, len(job.layout)
             return take
+
+    def _advance_tail(self, job: PrefillJob, max_tokens: int | None) -> int:
+        """One piece of a chunkable job: its path's reused rows first (once), then up to ``max_tokens``
+        prompt tokens through the runtime; the outcome once the last token is in."""
+        path = self.paths[job.plan.path]
+        assert isinstance(path, TailPrefillPath)
+        if job.loaded is None:
+            job.loaded = path.load(self.ctx, job.plan, job.cache)
+            job.computed = job.plan.reused_tokens
+        take = job.remaining if max_tokens is None else min(job.remaining, max(1, max_tokens))
+        logits = self.runtime.prefill(job.cache, job.layout.token_ids[job.computed : job.computed + take])
+        job.computed += take
+        job.chunks += 1
+        if job.computed == len(job.layout):
+            job.outcome = PrefillOutcome(
+                logits,
+                path.name,
+                job.plan.reused_tokens,
+                len(job.layout) - job.plan.reused_tokens,
+                exact=True,
+                info={**job.loaded.info, "prefill_chunks": job.chunks},
+                stored_summaries=job.loaded.stored_summaries,
+            )
+        return take
 
     def complete_prefill(self, job: PrefillJob) -> Sequence:
         """The prefilled job as a :class:`Sequence` with its first token sampled."""

@@ -18,7 +18,7 @@ from torch import Tensor
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
 from semkv.request import GenerateRequest
-from semkv.reuse.base import Plan, PrefillOutcome, Refusal
+from semkv.reuse.base import LoadedRows, Plan, PrefillOutcome, Refusal
 from semkv.reuse.options import ReuseOptions
 from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, PrefillQueries
@@ -42,9 +42,12 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
 class PrefillJob:
     """A request between planning and its first token (:meth:`semkv.engine.Engine.begin_prefill`).
 
-    computed: prompt tokens computed so far (in ``chunks`` pieces). A full prefill without query capture can advance in
-    chunks (``chunkable``): each chunk appends its rows and attends to every row before it, masks from
-    positions. Other paths (prefix, blend, share) and query capture run in one piece.
+    computed: prompt tokens in the cache so far (reused rows once loaded, then computed rows, in
+    ``chunks`` pieces). tail_prefill: the plan's path loads its reused leading rows and prefills the
+    rest exactly (full prefill, prefix reuse: :class:`semkv.reuse.base.TailPrefillPath`); without query
+    capture such a job advances in chunks (``chunkable``): each chunk appends its rows and attends to
+    every row before it, masks from positions. Blend, share and query capture run in one piece.
+    loaded: what the path's load put in the cache (set by the first chunk).
     outcome: set once the whole prompt is computed.
     """
 
@@ -58,15 +61,17 @@ class PrefillJob:
     kv_budget: float | int
     capture: bool
     started: float
+    tail_prefill: bool = False
     computed: int = 0
     chunks: int = 0
+    loaded: LoadedRows | None = None
     outcome: PrefillOutcome | None = None
     queries: PrefillQueries | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def chunkable(self) -> bool:
-        return self.plan.path == "full" and not self.capture
+        return self.tail_prefill and not self.capture
 
     @property
     def done(self) -> bool:
@@ -74,8 +79,10 @@ class PrefillJob:
 
     @property
     def remaining(self) -> int:
-        """Prompt tokens still to compute."""
-        return 0 if self.done else len(self.layout) - self.computed
+        """Prompt tokens still to compute (reused rows are not computed)."""
+        if self.done:
+            return 0
+        return len(self.layout) - max(self.computed, self.plan.reused_tokens if self.tail_prefill else 0)
 
 
 @dataclass

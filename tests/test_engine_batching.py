@@ -135,6 +135,30 @@ def test_chunked_prefill_of_a_long_prompt_while_others_decode(make_tiny_engine, 
     torch.testing.assert_close(end.generation.first_logits, alone.first_logits, atol=1e-4, rtol=0)
 
 
+def test_a_prefix_hit_prefills_its_tail_in_chunks(make_tiny_engine, tokenizer):
+    """A prompt whose first ~300 tokens are stored as prefix blocks and whose new tail is ~300 tokens,
+    under 64 tokens a step: it takes the prefix path, loads the stored rows once, prefills only the tail,
+    in several chunks, and its tokens and first logits equal the same request prefilled in one piece."""
+    engine = wide_tiny_engine(make_tiny_engine, tokenizer)
+    head = " ".join(f"line {i}: the tide was {i * 3 % 11} feet." for i in range(30))
+    prompt = head + " " + " ".join(f"row {i}: the wind was {i * 5 % 7} knots." for i in range(30))
+    engine.generate(head, max_new_tokens=1)  # stores the head's blocks
+    options = dict(max_new_tokens=5, stop_at_eos=False, reuse="prefix", store_prompt=False)
+    alone = engine.generate(prompt, **options)
+    assert alone.stats["path"] == "prefix" and alone.stats["prefill_chunks"] == 1
+    engine.scheduler.config = SchedulerConfig(max_running=8, max_batched_tokens=64)
+    rid = engine.add_request(prompt=prompt, **options)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    got = outputs[-1].generation
+    assert got.stats["path"] == "prefix" and got.stats["reused_tokens"] == alone.stats["reused_tokens"] > 200
+    assert got.stats["recomputed_tokens"] == alone.stats["recomputed_tokens"]
+    assert got.stats["prefill_chunks"] >= (alone.stats["recomputed_tokens"] + 63) // 64 >= 3
+    assert got.token_ids == alone.token_ids
+    torch.testing.assert_close(got.first_logits, alone.first_logits, atol=1e-4, rtol=0)
+
+
 def test_stop_string_in_generate_and_in_the_scheduler(make_tiny_engine):
     engine = make_tiny_engine("llama")
     free = engine.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, store_prompt=False)

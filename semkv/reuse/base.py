@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -104,3 +104,43 @@ class ReusePath(Protocol):
     ) -> None:
         """Called after every request's first token, whichever path served it (store what is reusable)."""
         ...
+
+
+@dataclass
+class LoadedRows:
+    """What :meth:`TailPrefillPath.load` put into a cache: its info and the summaries the loaded blocks
+    carried (see :attr:`PrefillOutcome.stored_summaries`)."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+    stored_summaries: list[Mapping[str, Tensor]] = field(default_factory=list)
+
+
+@runtime_checkable
+class TailPrefillPath(Protocol):
+    """A path whose prefill is exact and has two parts: load the plan's ``reused_tokens`` leading rows
+    (none for full prefill), then a plain prefill of the rest. The engine can run the rest in chunks
+    between decode steps (:meth:`semkv.engine.Engine.advance_prefill`)."""
+
+    name: str
+
+    def load(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> LoadedRows:
+        """Write the plan's reused leading rows into ``cache`` (empty)."""
+        ...
+
+
+def load_then_prefill(
+    path: TailPrefillPath, ctx: PrefillContext, plan: Plan, cache: KVCache
+) -> PrefillOutcome:
+    """A :class:`TailPrefillPath`'s prefill in one piece: load, then prefill the remaining tokens."""
+    loaded = path.load(ctx, plan, cache)
+    token_ids = plan.layout.token_ids
+    logits = ctx.runtime.prefill(cache, token_ids[plan.reused_tokens :])
+    return PrefillOutcome(
+        logits,
+        path.name,
+        plan.reused_tokens,
+        len(token_ids) - plan.reused_tokens,
+        exact=True,
+        info=loaded.info,
+        stored_summaries=loaded.stored_summaries,
+    )

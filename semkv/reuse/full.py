@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome
+from semkv.reuse.base import LoadedRows, Plan, PrefillContext, PrefillOutcome, load_then_prefill
 from semkv.reuse.options import ReuseOptions
 
 
@@ -14,12 +14,12 @@ class FullPrefill:
     def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> Plan:
         return Plan(self.name, layout, reused_tokens=0)
 
+    def load(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> LoadedRows:
+        """Nothing is reused: every row is computed by the prefill that follows."""
+        return LoadedRows()
+
     def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
-        token_ids = plan.layout.token_ids
-        logits = ctx.runtime.prefill(cache, token_ids)
-        return PrefillOutcome(
-            logits, self.name, reused_tokens=0, recomputed_tokens=len(token_ids), exact=True
-        )
+        return load_then_prefill(self, ctx, plan, cache)
 
     def after_prefill(
         self,

@@ -15,7 +15,15 @@ from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
-from semkv.reuse.base import BlockSummaries, Plan, PrefillContext, PrefillOutcome, Refusal
+from semkv.reuse.base import (
+    BlockSummaries,
+    LoadedRows,
+    Plan,
+    PrefillContext,
+    PrefillOutcome,
+    Refusal,
+    load_then_prefill,
+)
 from semkv.reuse.options import ReuseOptions
 from semkv.store.entry import KVEntry
 from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, Namespace, prefix_block_keys, prefix_digests
@@ -127,21 +135,15 @@ class PrefixReuse:
             return Refusal(self.name, "no stored prefix block")
         return PrefixPlan(self.name, layout, reused, blocks)
 
-    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+    def load(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> LoadedRows:
+        """The stored prefix blocks' rows (the plan's ``reused_tokens``) and the summaries they carry."""
         assert isinstance(plan, PrefixPlan)
-        token_ids = plan.layout.token_ids
         with ctx.store.pinned([b.key for b in plan.blocks]):
             summaries = load_prefix(ctx, cache, plan.blocks, plan.reused_tokens)
-        logits = ctx.runtime.prefill(cache, token_ids[plan.reused_tokens :])
-        return PrefillOutcome(
-            logits,
-            self.name,
-            plan.reused_tokens,
-            len(token_ids) - plan.reused_tokens,
-            exact=True,
-            info={"prefix_blocks": len(plan.blocks)},
-            stored_summaries=summaries,
-        )
+        return LoadedRows({"prefix_blocks": len(plan.blocks)}, summaries)
+
+    def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
+        return load_then_prefill(self, ctx, plan, cache)
 
     def after_prefill(
         self,
