@@ -151,7 +151,7 @@ class KVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.length * self.head_dim * elem
 
 
-ARENA_ROW_ALIGN = 64  # arena capacity is rounded up to this many rows
+ARENA_ROW_ALIGN = 16  # arena capacity is rounded up to this many rows (attention may read them all)
 
 
 class DecodeArena:
