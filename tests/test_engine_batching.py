@@ -34,7 +34,7 @@ REQUESTS = [
     (dict(prompt=LONG, max_new_tokens=4, sparse="quest", kv_budget=0.25, store_prompt=False), 4),
 ]
 
-SHARED_PATH = {0, 1, 4, 5}  # the requests above that decode over the shared arena
+SHARED_PATH = {0, 1, 2, 4, 5}  # the requests above that decode over the shared arena
 
 
 def serve_batched(engine, requests, max_running: int = 8, max_batched_tokens: int = 512, shared=None):
@@ -81,8 +81,8 @@ def test_batched_equals_one_at_a_time_fp32(make_tiny_engine, tokenizer, max_runn
     shared: dict[int, bool] = {}
     batched, sizes = serve_batched(batch_engine, REQUESTS, max_running, max_batched_tokens, shared)
     assert max(sizes) == min(max_running, 6)  # several sequences really decode together
-    # dense sequences with rows in position order (full, prefix) attend together over the decode arena;
-    # sparse decoders and blend (reused chunks keep their positions: rows out of order) go per sequence
+    # dense sequences with rows in position order (full, prefix, and this blend: its chunks' rows sit in
+    # prompt order) attend together over the decode arena; those with a sparse decoder go per sequence
     assert {n for n, bound in shared.items() if bound} == SHARED_PATH, shared
     paths, chunks = set(), []
     for n, (want, outs) in enumerate(zip(serial, batched, strict=True)):

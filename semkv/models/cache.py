@@ -167,21 +167,11 @@ class DecodeArena:
     slot is free once its cache is gone (garbage collected) or has left.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        kv_dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.kv_dtype = kv_dtype
-        self.compute_dtype = compute_dtype
-        self.device = torch.device(device)
+    def __init__(self, like: KVCache) -> None:
+        """An empty arena for caches laid out as ``like`` (layers, heads, head dim, dtypes, device)."""
+        self.layout = (like.num_layers, like.num_kv_heads, like.head_dim, like.kv_dtype, like.compute_dtype)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.compute_dtype = self.layout
+        self.device = like.device
         self.capacity = 0
         self.slots: list[weakref.ref[KVCache] | None] = []
         self.k_pre: list[Tensor] = []
@@ -207,6 +197,18 @@ class DecodeArena:
             id(cache): slot for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None
         }
         new = [cache for cache in caches if id(cache) not in where]
+        for cache in new:
+            layout = (
+                cache.num_layers,
+                cache.num_kv_heads,
+                cache.head_dim,
+                cache.kv_dtype,
+                cache.compute_dtype,
+            )
+            if layout != self.layout or cache.device != self.device:
+                raise ValueError(
+                    f"cache layout {layout} on {cache.device} differs from the arena's {self.layout}"
+                )
         if new:
             free = [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
             capacity = max(cache.capacity for cache in new)

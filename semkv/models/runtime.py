@@ -417,10 +417,7 @@ class Runtime:
                 self.arena = None
             return None
         if self.arena is None:
-            a = self.adapter
-            self.arena = DecodeArena(
-                a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.compute_dtype, self.device
-            )
+            self.arena = DecodeArena(caches[members[0]])
         slots = self.arena.bind([caches[i] for i in members])
         lo, hi = min(slots), max(slots) + 1
         lengths = [caches[i].length for i in members]
