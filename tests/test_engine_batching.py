@@ -83,7 +83,10 @@ def test_batched_equals_one_at_a_time_fp32(make_tiny_engine, tokenizer, max_runn
     assert max(sizes) == min(max_running, 6)  # several sequences really decode together
     # dense sequences with rows in position order (full, prefix, and this blend: its chunks' rows sit in
     # prompt order) attend together over the decode arena; those with a sparse decoder go per sequence
-    assert {n for n, bound in shared.items() if bound} == SHARED_PATH, shared
+    # (with 3 running, request 0 finishes beside sparse ones only: it never has a dense partner)
+    together = {n for n, bound in shared.items() if bound}
+    at_least = SHARED_PATH if max_running >= 6 else SHARED_PATH - {0}
+    assert at_least <= together <= SHARED_PATH, shared
     paths, chunks = set(), []
     for n, (want, outs) in enumerate(zip(serial, batched, strict=True)):
         end = outs[-1]
