@@ -34,9 +34,13 @@ REQUESTS = [
     (dict(prompt=LONG, max_new_tokens=4, sparse="quest", kv_budget=0.25, store_prompt=False), 4),
 ]
 
+SHARED_PATH = {0, 1, 2, 4, 5}  # the requests above that decode over the shared arena
 
-def serve_batched(engine, requests, max_running: int = 8, max_batched_tokens: int = 512):
-    """Add each request at its step, step until done; returns (outputs per request, batch sizes)."""
+
+def serve_batched(engine, requests, max_running: int = 8, max_batched_tokens: int = 512, shared=None):
+    """Add each request at its step, step until done; returns (outputs per request, batch sizes).
+    ``shared``: a dict that gets, per request, whether its cache was ever bound to the runtime's decode
+    arena (the shared batched-attention path) while it ran."""
     engine.scheduler.config = SchedulerConfig(max_running=max_running, max_batched_tokens=max_batched_tokens)
     ids: list[str | None] = [None] * len(requests)
     outputs: dict[str, list] = {}
@@ -49,6 +53,12 @@ def serve_batched(engine, requests, max_running: int = 8, max_batched_tokens: in
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
         sizes.append(engine.scheduler.last_step.batch_size)
+        if shared is not None:
+            arena = engine.runtime.arena
+            bound = {id(arena.bound(s)) for s in range(len(arena.slots))} if arena is not None else set()
+            for entry in engine.scheduler.running:
+                n = ids.index(entry.request_id)
+                shared[n] = shared.get(n, False) or id(entry.seq.cache) in bound
         step += 1
         assert step < 200
     return [outputs[i] for i in ids], sizes
@@ -68,8 +78,15 @@ def test_batched_equals_one_at_a_time_fp32(make_tiny_engine, tokenizer, max_runn
     for engine in (serial_engine, batch_engine):
         engine.add_chunks(CHUNKS)
     serial = [serial_engine.generate(stop_at_eos=False, **options) for options, _ in REQUESTS]
-    batched, sizes = serve_batched(batch_engine, REQUESTS, max_running, max_batched_tokens)
+    shared: dict[int, bool] = {}
+    batched, sizes = serve_batched(batch_engine, REQUESTS, max_running, max_batched_tokens, shared)
     assert max(sizes) == min(max_running, 6)  # several sequences really decode together
+    # dense sequences with rows in position order (full, prefix, and this blend: its chunks' rows sit in
+    # prompt order) attend together over the decode arena; those with a sparse decoder go per sequence
+    # (with 3 running, request 0 finishes beside sparse ones only: it never has a dense partner)
+    together = {n for n, bound in shared.items() if bound}
+    at_least = SHARED_PATH if max_running >= 6 else SHARED_PATH - {0}
+    assert at_least <= together <= SHARED_PATH, shared
     paths, chunks = set(), []
     for n, (want, outs) in enumerate(zip(serial, batched, strict=True)):
         end = outs[-1]

@@ -5,10 +5,16 @@ and the rotated keys in the compute dtype (what attention reads), in buffers wit
 room to grow. Rows are token slots; ``positions`` gives each row's absolute
 position, so rows need not be in position order and attention masks come from
 positions, never from row order.
+
+:class:`DecodeArena` holds the buffers of caches decoding together: their per-layer buffers become views
+of one [slots, kvh, capacity, d] tensor per layer, so a batched decode step writes and attends over all
+of them with one operator each instead of one per sequence.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -82,6 +88,28 @@ class KVCache:
         self.length = start + count
         return start
 
+    def adopt(self, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor]) -> None:
+        """Move to the given per-layer buffers [kvh, >= capacity, d] (views of a :class:`DecodeArena`):
+        the valid rows are copied there and the old buffers dropped."""
+        for layer in range(self.num_layers):
+            for new, old in ((k_pre, self.k_pre), (k_rot, self.k_rot), (v, self.v)):
+                if new[layer].shape[1] < self.capacity or new[layer].dtype != old[layer].dtype:
+                    raise ValueError(f"adopt needs {old[layer].dtype} buffers of >= {self.capacity} rows")
+                new[layer][:, : self.length] = old[layer][:, : self.length]
+        self.k_pre, self.k_rot, self.v = list(k_pre), list(k_rot), list(v)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> KVCache:
+        """An independent cache; buffers that are views of a shared arena are copied alone, not the arena."""
+        clone = KVCache.__new__(KVCache)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            if name in ("k_pre", "k_rot", "v"):
+                value = [buf.clone() for buf in value]
+            else:
+                value = copy.deepcopy(value, memo)
+            setattr(clone, name, value)
+        return clone
+
     def truncate(self, length: int) -> None:
         """Forget rows from ``length`` on."""
         if not 0 <= length <= self.length:
@@ -121,3 +149,112 @@ class KVCache:
         """Bytes of the valid rows at rest (pre-RoPE K + V in the KV dtype)."""
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.length * self.head_dim * elem
+
+
+ARENA_ROW_ALIGN = 16  # arena capacity is rounded up to this many rows (attention may read them all)
+
+
+class DecodeArena:
+    """Shared buffers [slots, kvh, capacity, d] per layer (pre-RoPE keys in the KV dtype; rotated keys and
+    values in the compute dtype) backing the caches of sequences that decode together.
+
+    A cache bound to slot s has ``arena.k_rot[layer][s]`` (a [kvh, capacity, d] view) as its buffer, and
+    likewise for ``k_pre`` and ``v``, so at one layer the rows of every bound cache are one tensor with one
+    stride per dimension: a batched decode step writes the new rows of all of them with one indexed write
+    and attends over slots ``[lo, hi)`` with one batched matmul, without copying. The cache stays the
+    owner of its rows: everything else reads and writes it as before. It stays bound while its buffers
+    are these views; :meth:`KVCache.reserve` beyond them gives it buffers of its own (it leaves), and a
+    slot is free once its cache is gone (garbage collected) or has left.
+    """
+
+    def __init__(self, like: KVCache) -> None:
+        """An empty arena for caches laid out as ``like`` (layers, heads, head dim, dtypes, device)."""
+        self.layout = (like.num_layers, like.num_kv_heads, like.head_dim, like.kv_dtype, like.compute_dtype)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.compute_dtype = self.layout
+        self.device = like.device
+        self.capacity = 0
+        self.slots: list[weakref.ref[KVCache] | None] = []
+        self.k_pre: list[Tensor] = []
+        self.k_rot: list[Tensor] = []
+        self.v: list[Tensor] = []
+
+    def bound(self, slot: int) -> KVCache | None:
+        """The cache bound to ``slot``, or None if the slot is free."""
+        ref = self.slots[slot]
+        cache = ref() if ref is not None else None
+        if cache is None or cache.k_rot[0].data_ptr() != self.k_rot[0][slot].data_ptr():
+            return None
+        return cache
+
+    def occupied(self) -> int:
+        """Number of slots with a bound cache."""
+        return sum(self.bound(slot) is not None for slot in range(len(self.slots)))
+
+    def bind(self, caches: list[KVCache]) -> list[int]:
+        """The slots of ``caches``, binding those not bound yet (their valid rows are copied into free
+        slots; the arena grows, keeping its bound caches, when slots or capacity run short)."""
+        where = {
+            id(cache): slot for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None
+        }
+        new = [cache for cache in caches if id(cache) not in where]
+        for cache in new:
+            layout = (
+                cache.num_layers,
+                cache.num_kv_heads,
+                cache.head_dim,
+                cache.kv_dtype,
+                cache.compute_dtype,
+            )
+            if layout != self.layout or cache.device != self.device:
+                raise ValueError(
+                    f"cache layout {layout} on {cache.device} differs from the arena's {self.layout}"
+                )
+        if new:
+            free = [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
+            capacity = max(cache.capacity for cache in new)
+            if len(free) < len(new) or capacity > self.capacity:
+                short = len(free) < len(new)
+                self._grow(
+                    max(len(where) + len(new), 2 * len(self.slots)) if short else len(self.slots), capacity
+                )
+                free = [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
+            for cache, slot in zip(new, free, strict=False):
+                cache.adopt(*self._views(slot))
+                self.slots[slot] = weakref.ref(cache)
+                where[id(cache)] = slot
+        return [where[id(cache)] for cache in caches]
+
+    def write(self, layer: int, slots: Tensor, rows: Tensor, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
+        """Write one row per bound cache: k_pre/k_rot/v [n, kvh, d] into row ``rows[i]`` of slot
+        ``slots[i]`` ([n] each), rounded as :meth:`KVCache.write` rounds."""
+        self.k_pre[layer][slots, :, rows] = k_pre.to(self.kv_dtype)
+        self.k_rot[layer][slots, :, rows] = k_rot.to(self.compute_dtype)
+        self.v[layer][slots, :, rows] = v.to(self.kv_dtype).to(self.compute_dtype)
+
+    def _views(self, slot: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        return tuple([buf[slot] for buf in bufs] for bufs in (self.k_pre, self.k_rot, self.v))  # type: ignore[return-value]
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        """Reallocate to at least ``slots`` slots of ``capacity`` rows; bound caches move along (same slot).
+        Zero-filled, so the rows past a cache's length are finite (masked scores times zero stay zero)."""
+        bound = [(slot, cache) for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
+        if bound:
+            slots = max(slots, max(slot for slot, _ in bound) + 1)
+            capacity = max(capacity, self.capacity)
+        capacity = -(-capacity // ARENA_ROW_ALIGN) * ARENA_ROW_ALIGN
+        shape = (slots, self.num_kv_heads, capacity, self.head_dim)
+
+        def fresh(dtype: torch.dtype) -> list[Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+
+        self.k_pre, self.k_rot, self.v = [], [], []  # bound caches keep the old buffers alive until they move
+        self.k_pre, self.k_rot, self.v = (
+            fresh(self.kv_dtype),
+            fresh(self.compute_dtype),
+            fresh(self.compute_dtype),
+        )
+        self.capacity = capacity
+        self.slots = [None] * slots
+        for slot, cache in bound:
+            cache.adopt(*self._views(slot))
+            self.slots[slot] = weakref.ref(cache)

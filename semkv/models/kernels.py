@@ -335,3 +335,33 @@ def _gemm_decode(
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, v[:, lo:hi]).view(1, nh * d)
+
+
+def batched_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """One (already scaled) query per sequence over the caches of several sequences at once.
+
+    q: [n, nh, d]; k, v: [n, kvh, W, d], sequence i's keys in row order, every row visible to its query
+    except those ``bias`` masks (queries and keys in position order, no window cut: the caller's
+    guarantee); in practice slots of a :class:`~semkv.models.cache.DecodeArena`, whose slot and head
+    dimensions merge into one batch dimension without a copy. bias: [n, 1, 1, W] additive (0 / -inf),
+    hiding the rows past each sequence's length, or None. Returns [n, nh * d].
+
+    The same computation as :func:`_gemm_decode` (scores, softmax, probabilities @ values), in one
+    batched matmul per product for all sequences. torch's CPU batched matmul copies a strided operand
+    (rows of a slot past W) before multiplying unless it is the left one of k @ q^T, so keys go on the
+    left when W is not the whole slot (bf16, 8 sequences x 830 keys: 190 vs 725 us).
+    """
+    n, nh, d = q.shape
+    kvh, width = k.shape[1], k.shape[2]
+    rep = nh // kvh
+    queries = q.reshape(n * kvh, rep, d)
+    keys, values = k.flatten(0, 1), v.flatten(0, 1)  # views: a slot's heads are one stride apart
+    if keys.is_contiguous():
+        scores = torch.bmm(queries, keys.transpose(1, 2))
+    else:
+        scores = torch.bmm(keys, queries.transpose(1, 2)).transpose(1, 2)
+    scores = scores.view(n, kvh, rep, width)
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs.reshape(n * kvh, rep, width), values).view(n, nh * d)
