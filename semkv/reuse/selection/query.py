@@ -47,10 +47,18 @@ class QuerySelector(RowSelector):
 
     layers: tuple[int, ...] | None = None
     depth: float = 1.0
+    keep_probe_rows: bool = True
+    requery: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "layers", check_layers(self.layers))
+        if not isinstance(self.keep_probe_rows, bool):
+            raise ValueError(f"keep_probe_rows must be true or false, got {self.keep_probe_rows!r}")
+        if self.requery is not None and (
+            isinstance(self.requery, bool) or not isinstance(self.requery, int) or self.requery < 1
+        ):
+            raise ValueError(f"requery must be an integer >= 1 or None, got {self.requery!r}")
         if (
             isinstance(self.depth, bool)
             or not isinstance(self.depth, (int, float))
@@ -71,6 +79,14 @@ class QuerySelector(RowSelector):
             return picked
         globals_ = [x for x in range(1, num_layers) if windows[x] is None]
         return (globals_[0] if globals_ else num_layers - 1,)
+
+    @property
+    def keeps_probe_rows(self) -> bool:
+        return self.keep_probe_rows
+
+    @property
+    def requeried_rows(self) -> int | None:
+        return self.requery
 
     def score(self, view: ScoreView) -> Tensor:
         return view.probe_scores()
