@@ -308,7 +308,7 @@ class BlendReuse:
             runtime.forward_rows(cache, start, prober)
             probe = prober.scores
             if selector.keeps_probe_rows:
-                settled = prober.settled_rows(runtime.num_layers, selector.requeried_rows)
+                settled = prober.settled_rows(runtime.num_layers)
                 rows = RowInfo(rows.forced & ~settled, rows.query, rows.chunk_offset, settled)
         scaling = None
         context = (rows.chunk_offset >= 0).nonzero().squeeze(1)

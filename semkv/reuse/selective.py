@@ -201,14 +201,10 @@ class QueryProbe:
         )
         self._add(mass, inputs.first_row)
 
-    def settled_rows(self, num_layers: int, requery: int | None = None) -> Tensor:
-        """[T] bool: forced rows whose KV this probe computed at every one of ``num_layers`` layers, so they
-        need no recompute: the ones other than the question, and (``requery`` = n) the question's rows
-        but its last n; never the last row. None if the probe stopped before the last layer."""
+    def settled_rows(self, num_layers: int) -> Tensor:
+        """[T] bool: the forced rows other than the question and the last row, whose KV this probe computed
+        at every one of ``num_layers`` layers (so they need no recompute); none if it stopped earlier."""
         settled = self.rows.forced & ~self.rows.query
-        if requery is not None:
-            question = self.rows.query.nonzero().squeeze(1)
-            settled[question[: max(0, question.numel() - requery)]] = True
         settled[-1:] = False
         return settled if self.last >= num_layers - 1 else torch.zeros_like(settled)
 

@@ -166,12 +166,6 @@ class RowSelector:
         return False
 
     @property
-    def requeried_rows(self) -> int | None:
-        """With :attr:`keeps_probe_rows`: None = every question row is recomputed; n = only the question's
-        last n rows, the others keep the probe's KV too."""
-        return None
-
-    @property
     def scales_attention(self) -> bool:
         return self.temperature != 1.0 or self.scale != 1.0
 

@@ -47,18 +47,13 @@ class QuerySelector(RowSelector):
 
     layers: tuple[int, ...] | None = None
     depth: float = 1.0
-    keep_probe_rows: bool = True
-    requery: int | None = None
+    keep_probe_rows: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "layers", check_layers(self.layers))
         if not isinstance(self.keep_probe_rows, bool):
             raise ValueError(f"keep_probe_rows must be true or false, got {self.keep_probe_rows!r}")
-        if self.requery is not None and (
-            isinstance(self.requery, bool) or not isinstance(self.requery, int) or self.requery < 1
-        ):
-            raise ValueError(f"requery must be an integer >= 1 or None, got {self.requery!r}")
         if (
             isinstance(self.depth, bool)
             or not isinstance(self.depth, (int, float))
@@ -83,10 +78,6 @@ class QuerySelector(RowSelector):
     @property
     def keeps_probe_rows(self) -> bool:
         return self.keep_probe_rows
-
-    @property
-    def requeried_rows(self) -> int | None:
-        return self.requery
 
     def score(self, view: ScoreView) -> Tensor:
         return view.probe_scores()
