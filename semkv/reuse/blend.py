@@ -307,6 +307,9 @@ class BlendReuse:
             prober = QueryProbe(rows, selector.probe_layers(windows))
             runtime.forward_rows(cache, start, prober)
             probe = prober.scores
+            if selector.keeps_probe_rows:
+                settled = prober.settled_rows(runtime.num_layers)
+                rows = RowInfo(rows.forced & ~settled, rows.query, rows.chunk_offset, settled)
         scaling = None
         context = (rows.chunk_offset >= 0).nonzero().squeeze(1)
         if selector.scales_attention and context.numel():

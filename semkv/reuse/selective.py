@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from semkv.models.runtime import LayerInputs
+from semkv.models.runtime import LayerInputs, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
 
@@ -54,7 +54,7 @@ class SelectiveRecompute:
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
-        self.num_reusable = int((~self.rows.forced).sum())
+        self.num_reusable = int(self.rows.reusable.sum())
 
     @property
     def forced(self) -> Tensor:
@@ -73,7 +73,7 @@ class SelectiveRecompute:
         if layer not in self.schedule:
             return torch.arange(active.numel(), device=active.device)
         forced = self.rows.forced[active]
-        candidates = (~forced).nonzero().squeeze(1)
+        candidates = self.rows.reusable[active].nonzero().squeeze(1)
         budget = min(math.ceil(self.schedule[layer] * self.num_reusable), int(candidates.numel()))
         if budget >= candidates.numel():
             top = candidates  # a budget covering every candidate needs no ranking (ratio 1)
@@ -102,10 +102,12 @@ class SelectiveRecompute:
         return keep
 
     def recomputed_rows(self) -> Tensor:
-        """Row offsets recomputed through the deepest scheduled layer (forced rows included)."""
+        """Row offsets computed in place through the deepest scheduled layer: forced rows, the selected
+        ones, and the settled rows (computed by the probe)."""
         if not self.chosen:
             return torch.arange(self.rows.forced.numel())
-        return self.chosen[max(self.chosen)]
+        settled = self.rows.settled.nonzero().squeeze(1).to(self.chosen[max(self.chosen)].device)
+        return torch.cat([self.chosen[max(self.chosen)], settled]).sort().values
 
 
 def deviation_recompute(
@@ -122,9 +124,12 @@ class QueryProbe:
     Only the forced rows are computed (from layer 0 on; the reused rows keep their stored KV), so the
     question attends to the reused chunk KV as it is. At each of ``layers`` (skipping layers with a
     sliding window) the attention weights of the ``rows.query`` rows to every row are summed over
-    heads and query rows into ``scores`` [T]. After the last probe layer only the last row goes on
-    (the runtime needs one; its logits are not used). The forced rows' KV it writes is overwritten by
-    the recompute that follows (forced rows are recomputed at every layer).
+    heads and query rows into ``scores`` [T]: taken from the layer's own attention of the question rows
+    (:meth:`attention`, which ``forward_rows`` calls instead of the kernel), so the question's logits and
+    softmax are computed once per layer; at the last probe layer (after which only the last row goes
+    on: the runtime needs one, its logits are not used) they are computed apart, before the narrowing.
+    The forced rows' KV it writes is overwritten by the recompute that follows (forced rows are
+    recomputed at every layer).
     """
 
     rows: RowInfo
@@ -136,6 +141,8 @@ class QueryProbe:
             raise ValueError("a query probe needs at least one layer")
         self.scores = torch.zeros(self.rows.forced.numel(), dtype=torch.float32)
         self.last = max(self.layers)
+        self._asking: Tensor | None = None  # [A] query rows among the rows the next attention computes
+        self._first_row = 0
 
     def select(
         self,
@@ -148,35 +155,99 @@ class QueryProbe:
         inputs: LayerInputs,
     ) -> Tensor:
         keep = self.rows.forced[active].nonzero().squeeze(1)
+        self._asking = None
         if layer in self.layers and inputs.window is None:
-            self._record(active, inputs)
+            if layer >= self.last:
+                self._record(active, inputs)
+            else:
+                asking = self.rows.query[active[keep]]
+                self._asking, self._first_row = (asking if bool(asking.any()) else None), inputs.first_row
         if layer >= self.last:
             keep = keep[-1:]
         return keep
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scaling: float,
+        window: int | None = None,
+        causal_prefix: bool = False,
+    ) -> Tensor:
+        """:func:`semkv.models.runtime.attention` for ``forward_rows``; on a recording layer the question
+        rows' attention is computed here (:func:`question_attention`) and its weights recorded."""
+        asking, self._asking = self._asking, None
+        if asking is None:
+            return attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix)
+        out = q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+        others = ~asking
+        if bool(others.any()):
+            out[others] = attention(q[:, others], k, v, q_pos[others], k_pos, scaling, window)
+        out[asking], mass = question_attention(q[:, asking], k, v, q_pos[asking], k_pos, scaling)
+        self._add(mass, self._first_row)
+        return out
 
     def _record(self, active: Tensor, inputs: LayerInputs) -> None:
         asking = self.rows.query[active]
         if not bool(asking.any()):
             return
-        mass = query_attention(
-            inputs.rotated_queries()[:, asking],
-            inputs.keys.float(),
-            inputs.q_pos[asking],
-            inputs.k_pos,
-            inputs.scaling,
+        # rotated in fp32 and rounded to the compute dtype, as the layer's own attention sees them
+        queries = inputs.rotated_queries()[:, asking].to(inputs.keys.dtype)
+        _, mass = question_attention(
+            queries, inputs.keys, None, inputs.q_pos[asking], inputs.k_pos, inputs.scaling
         )
-        own = mass[inputs.first_row : inputs.first_row + self.scores.numel()]
+        self._add(mass, inputs.first_row)
+
+    def settled_rows(self, num_layers: int) -> Tensor:
+        """[T] bool: the forced rows other than the question and the last row, whose KV this probe computed
+        at every one of ``num_layers`` layers (so they need no recompute); none if it stopped earlier."""
+        settled = self.rows.forced & ~self.rows.query
+        settled[-1:] = False
+        return settled if self.last >= num_layers - 1 else torch.zeros_like(settled)
+
+    def _add(self, mass: Tensor, first_row: int) -> None:
+        own = mass[first_row : first_row + self.scores.numel()]
         self.scores[: own.numel()] += own.to(self.scores.device, torch.float32)
 
 
-def query_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float) -> Tensor:
-    """Attention mass [Tk] each key receives, summed over heads and queries (causal by positions).
+def question_attention(
+    q: Tensor, k: Tensor, v: Tensor | None, q_pos: Tensor, k_pos: Tensor, scaling: float
+) -> tuple[Tensor | None, Tensor]:
+    """Attention of a few query rows over every key (causal by positions, no window), and the attention
+    mass each key receives.
 
-    q: [nh, Q, d] rotated queries; k: [kvh, Tk, d] rotated keys (kvh divides nh).
+    q: [nh, Q, d] rotated queries; k, v: [kvh, Tk, d] rotated keys and values (kvh divides nh), in one
+    dtype. The logits are computed in that dtype, as :func:`semkv.models.kernels.gemm_attention`
+    computes the model's own (queries scaled first, one 2-D matmul per KV head); softmax and the mass
+    run in float32, the probabilities are rounded to v's dtype for the output. The causal mask is applied
+    only to the keys after the first query's position (a question sees every context key).
+    Returns (output [Q, nh * d] in q's dtype, or None without ``v``; mass [Tk] float32, summed over
+    heads and queries).
     """
     nh, nq, d = q.shape
     kvh = k.shape[0]
-    logits = torch.matmul(q.reshape(kvh, (nh // kvh) * nq, d), k.transpose(1, 2)) * scaling
-    visible = (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).repeat(nh // kvh, 1)  # [rep * Q, Tk]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    return torch.softmax(logits.float(), dim=-1).sum(dim=(0, 1))
+    rep = nh // kvh
+    rows = (q * scaling).reshape(kvh, rep * nq, d)  # query heads of one KV head folded into rows
+    late = (k_pos > q_pos.min()).nonzero().squeeze(1)
+    hidden = k_pos[late].unsqueeze(0) > q_pos.unsqueeze(1)  # [Q, late]: keys after the query
+    mass = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
+    out = None if v is None else q.new_empty(nq, kvh, rep, d)
+    for head in range(kvh):
+        logits = torch.mm(rows[head], k[head].t()).float()  # [rep * Q, Tk]
+        if late.numel():
+            block = logits[:, late].view(rep, nq, -1).masked_fill(hidden, float("-inf"))
+            logits[:, late] = block.view(rep * nq, -1)
+        weights = torch.softmax(logits, dim=-1)
+        mass += weights.sum(dim=0)
+        if out is not None and v is not None:
+            out[:, head] = torch.mm(weights.to(v.dtype), v[head]).view(rep, nq, d).transpose(0, 1)
+    return (None if out is None else out.reshape(nq, nh * d)), mass
+
+
+def query_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float) -> Tensor:
+    """Attention mass [Tk] (float32) each key receives from the queries q [nh, Q, d], summed over heads and
+    queries (:func:`question_attention` without values)."""
+    return question_attention(q, k, None, q_pos, k_pos, scaling)[1]

@@ -19,7 +19,7 @@ from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from semkv.reuse.selection.base import RowInfo, scaled_attention
 from semkv.reuse.selection.registry import SELECTORS, make_selector
-from semkv.reuse.selective import QueryProbe, query_attention
+from semkv.reuse.selective import QueryProbe, query_attention, question_attention
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES
 from tests.reuse.test_blend import DOCS, QUESTION, _engine, _first_logits, _naive_concatenation
@@ -210,6 +210,79 @@ def test_query_attention_matches_naive():
     )
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_question_attention_is_the_layer_attention(dtype, tol):
+    """The probe computes the question rows' attention itself (to record its weights): its output must be
+    the kernel's, scattered earlier keys and the question's own causal band included."""
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(6, 5, 8).to(dtype),
+        torch.randn(2, 40, 8).to(dtype),
+        torch.randn(2, 40, 8).to(dtype),
+    )
+    q_pos, k_pos = torch.tensor([35, 36, 37, 38, 39]), torch.arange(40)
+    out, mass = question_attention(q, k, v, q_pos, k_pos, 0.35)
+    torch.testing.assert_close(
+        out.float(), attention(q, k, v, q_pos, k_pos, 0.35).float(), atol=tol, rtol=tol
+    )
+    torch.testing.assert_close(mass, query_attention(q, k, q_pos, k_pos, 0.35))
+    assert float(mass[36:].sum()) < float(mass[35]) + 10  # keys after a query get none of its mass
+    torch.testing.assert_close(mass.sum(), torch.tensor(6.0 * 5))
+
+
+def _blend_cache(engine: Engine, selector: dict):
+    request = GenerateRequest(
+        prompt=QUESTION, chunks=DOCS, reuse="blend", blend=BlendConfig(0.2, selector), store_prompt=False
+    )
+    seq = engine.prefill(request)
+    assert seq.stats()["prefix_tokens"] == 0  # the blend's rows are the manual probe's
+    return seq.cache, seq.stats()
+
+
+def _rows(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows ``mask`` [T] picks of a cache buffer [kvh, capacity, d]."""
+    return buffer[:, : mask.numel()][:, mask]
+
+
+def test_probe_rows_keep_the_probe_kv(make_tiny_engine, tokenizer):
+    """keep_probe_rows: the forced rows other than the question keep the KV the probe wrote at every layer;
+    without it (the default) they are recomputed over the refreshed chunk rows (other KV), and so is the
+    question either way. The rows counted as recomputed are the same either way."""
+    engine = _engine(make_tiny_engine, tokenizer, "qwen2")
+    engine.add_chunks(DOCS)
+    windows = [engine.adapter.window(layer) for layer in range(engine.num_layers)]
+    layers = make_selector("query").probe_layers(windows)
+    probe, _, probe_cache, forced, query = _manual_probe(engine, layers)
+    kept, kept_stats = _blend_cache(engine, {"name": "query", "keep_probe_rows": True})
+    redone, redone_stats = _blend_cache(engine, "query")
+    settled = forced & ~query
+    settled[-1] = False
+    assert int(settled.sum()) > 3
+    assert torch.equal(probe.settled_rows(engine.num_layers), settled)
+    assert kept_stats["recomputed_rows"] == redone_stats["recomputed_rows"]
+    for layer in range(engine.num_layers):
+        torch.testing.assert_close(
+            _rows(kept.k_pre[layer], settled), _rows(probe_cache.k_pre[layer], settled), atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            _rows(kept.v[layer], settled), _rows(probe_cache.v[layer], settled), atol=0, rtol=0
+        )
+    last = engine.num_layers - 1
+    assert not torch.equal(_rows(redone.k_pre[last], settled), _rows(probe_cache.k_pre[last], settled))
+    assert not torch.equal(_rows(kept.k_pre[last], query), _rows(probe_cache.k_pre[last], query))
+
+
+def test_probe_settles_nothing_when_it_stops_early():
+    """A probe that stopped before the last layer left the forced rows blank there: none is settled."""
+    forced = torch.tensor([True, False, False, True, True, True])
+    query = torch.tensor([False, False, False, False, True, True])
+    rows = RowInfo(forced, query, torch.full((6,), -1))
+    assert QueryProbe(rows, (1, 3)).settled_rows(4).tolist() == [True, False, False, True, False, False]
+    assert not QueryProbe(rows, (1, 2)).settled_rows(4).any()
+    with pytest.raises(ValueError, match="forced and settled"):
+        RowInfo(forced, query, torch.full((6,), -1), forced.clone())
+
+
 def test_query_selector_keeps_the_probe_top_rows(make_tiny_engine, tokenizer):
     """query's cached picks are the chunk rows with the most question attention in a probe run by hand."""
     engine = _engine(make_tiny_engine, tokenizer, "qwen2")
@@ -336,6 +409,7 @@ BAD_SELECTORS = [
     ({"name": "query", "layers": [0, 2]}, "layers"),
     ({"name": "query", "layers": "all"}, "layers"),
     ({"name": "query+deviation", "weight": 1.5}, "weight"),
+    ({"name": "query", "keep_probe_rows": 1}, "keep_probe_rows"),
     ({"name": "deviation", "k": 4}, "k"),
 ]
 

@@ -41,16 +41,28 @@ class RowInfo:
     forced: bool, always recomputed (no reused KV).
     query: bool, the rows whose attention ranks the context (the question and the generation prompt).
     chunk_offset: long, the row's offset inside its context chunk; -1 outside chunks.
+    settled: bool, rows whose KV is already final at every layer (computed in place by a query probe):
+        neither recomputed nor candidates after the check layer. None: no row.
     """
 
     forced: Tensor
     query: Tensor
     chunk_offset: Tensor
+    settled: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.forced.numel()
-        if self.query.numel() != n or self.chunk_offset.numel() != n:
-            raise ValueError("forced, query and chunk_offset must cover the same rows")
+        if self.settled is None:
+            object.__setattr__(self, "settled", torch.zeros_like(self.forced, dtype=torch.bool))
+        if self.query.numel() != n or self.chunk_offset.numel() != n or self.settled.numel() != n:
+            raise ValueError("forced, query, chunk_offset and settled must cover the same rows")
+        if bool((self.settled & self.forced).any()):
+            raise ValueError("a row cannot be both forced and settled")
+
+    @property
+    def reusable(self) -> Tensor:
+        """[T] bool: the rows holding reused KV (neither forced nor settled): the candidates."""
+        return ~(self.forced | self.settled)
 
     @classmethod
     def plain(cls, forced: Tensor) -> RowInfo:
@@ -146,6 +158,12 @@ class RowSelector:
         """Layers whose query attention the probe pass records (selectors with ``needs_probe``), on a model
         whose layer ``i`` has sliding window ``windows[i]`` (None: a global layer)."""
         return ()
+
+    @property
+    def keeps_probe_rows(self) -> bool:
+        """True: the uncached rows other than the question keep the KV the probe pass computed for them
+        (:class:`semkv.reuse.selective.QueryProbe`) instead of being recomputed."""
+        return False
 
     @property
     def scales_attention(self) -> bool:

@@ -40,17 +40,26 @@ class QuerySelector(RowSelector):
     (if that leaves none: the first global layer).
     depth: used when ``layers`` is None, in (0, 1]. Measured (HotpotQA dev, 16 questions, ~4K tokens,
     ratio 0.15, first-token KL to full prefill): depth 1.0 / 0.5: 0.026 / 0.036 (SmolLM2), 0.042 /
-    0.076 (Gemma 3, whose global layers are 5, 11 and 17: 0.5 probes layer 5 alone)."""
+    0.076 (Gemma 3, whose global layers are 5, 11 and 17: 0.5 probes layer 5 alone).
+    keep_probe_rows: the uncached rows other than the question (template rest, the separators between
+    chunks) keep the KV the probe computed for them, over the chunks' reused KV, instead of being
+    recomputed over the refreshed rows (only when the probe ran through the last layer). Saves ~70 ms of
+    a ~1 s TTFT (SmolLM2, ~4K tokens, 31 separators) but doubles the first-token KL to full prefill
+    (HotpotQA dev, 16 questions, ratio 0.15: 0.158 on vs 0.085 off, SmolLM2; keeping the question's
+    rows but its last 8 too: 0.233), so it is off by default: the separators matter."""
 
     name: ClassVar[str] = "query"
     needs_probe: ClassVar[bool] = True
 
     layers: tuple[int, ...] | None = None
     depth: float = 1.0
+    keep_probe_rows: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "layers", check_layers(self.layers))
+        if not isinstance(self.keep_probe_rows, bool):
+            raise ValueError(f"keep_probe_rows must be true or false, got {self.keep_probe_rows!r}")
         if (
             isinstance(self.depth, bool)
             or not isinstance(self.depth, (int, float))
@@ -71,6 +80,10 @@ class QuerySelector(RowSelector):
             return picked
         globals_ = [x for x in range(1, num_layers) if windows[x] is None]
         return (globals_[0] if globals_ else num_layers - 1,)
+
+    @property
+    def keeps_probe_rows(self) -> bool:
+        return self.keep_probe_rows
 
     def score(self, view: ScoreView) -> Tensor:
         return view.probe_scores()
