@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+import semkv.engine
 from semkv.server import ServerConfig
 
 TINY = "tiny"
@@ -48,17 +49,18 @@ def test_long_generation_ends_at_its_deadline(server):
     assert short.status_code == 200
 
 
-def test_request_queued_past_its_deadline_is_a_504(tiny_app, live_server):
+def test_request_queued_past_its_deadline_is_a_504(tiny_app, live_server, monkeypatch):
     app = tiny_app(ServerConfig(request_timeout_s=0.25, debug_stats=True))
-    state = app.state.semkv
     uploading = threading.Event()
-    add_documents = state.add_documents
+    precompute = semkv.engine.add_chunks
 
-    def signalling_add_documents(*args, **kwargs):
+    def signalling_precompute(*args, **kwargs):
+        # called by Engine.add_chunks with the engine's lock held: from here on the engine is busy (a
+        # signal before the lock, e.g. while the documents are tokenized, lets a request slip in first)
         uploading.set()
-        return add_documents(*args, **kwargs)
+        return precompute(*args, **kwargs)
 
-    state.add_documents = signalling_add_documents
+    monkeypatch.setattr(semkv.engine, "add_chunks", signalling_precompute)
     server = live_server(app=app)
     docs = [f"Document {i}: " + "the harbour master logs every ship and its cargo. " * 150 for i in range(64)]
     upload: dict = {}
