@@ -291,15 +291,7 @@ class Engine:
         job.computed += take
         job.chunks += 1
         if job.computed == len(job.layout):
-            job.outcome = PrefillOutcome(
-                logits,
-                path.name,
-                job.plan.reused_tokens,
-                len(job.layout) - job.plan.reused_tokens,
-                exact=True,
-                info={**job.loaded.info, "prefill_chunks": job.chunks},
-                stored_summaries=job.loaded.stored_summaries,
-            )
+            job.outcome = job.loaded.outcome(path.name, job.plan, logits, prefill_chunks=job.chunks)
         return take
 
     def complete_prefill(self, job: PrefillJob) -> Sequence:

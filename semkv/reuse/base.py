@@ -114,6 +114,20 @@ class LoadedRows:
     info: dict[str, Any] = field(default_factory=dict)
     stored_summaries: list[Mapping[str, Tensor]] = field(default_factory=list)
 
+    def outcome(self, path: str, plan: Plan, logits: Tensor, **info: Any) -> PrefillOutcome:
+        """The exact outcome once the rest of the prompt is prefilled: ``logits`` [V] of its last token;
+        ``info`` is added to the load's."""
+        recomputed = len(plan.layout.token_ids) - plan.reused_tokens
+        return PrefillOutcome(
+            logits,
+            path,
+            plan.reused_tokens,
+            recomputed,
+            exact=True,
+            info={**self.info, **info},
+            stored_summaries=self.stored_summaries,
+        )
+
 
 @runtime_checkable
 class TailPrefillPath(Protocol):
@@ -133,14 +147,5 @@ def load_then_prefill(
 ) -> PrefillOutcome:
     """A :class:`TailPrefillPath`'s prefill in one piece: load, then prefill the remaining tokens."""
     loaded = path.load(ctx, plan, cache)
-    token_ids = plan.layout.token_ids
-    logits = ctx.runtime.prefill(cache, token_ids[plan.reused_tokens :])
-    return PrefillOutcome(
-        logits,
-        path.name,
-        plan.reused_tokens,
-        len(token_ids) - plan.reused_tokens,
-        exact=True,
-        info=loaded.info,
-        stored_summaries=loaded.stored_summaries,
-    )
+    logits = ctx.runtime.prefill(cache, plan.layout.token_ids[plan.reused_tokens :])
+    return loaded.outcome(path.name, plan, logits)
