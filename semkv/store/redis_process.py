@@ -18,7 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,17 +262,10 @@ class LocalRedisCluster:
 
     def topology(self) -> list[ClusterNodeInfo]:
         """CLUSTER NODES as seen by the first live node."""
-        for node in self.nodes:
-            if not node.running:
-                continue
-            client = node.client()
-            try:
-                return cluster_nodes(client)
-            except (redis.RedisError, OSError):
-                continue
-            finally:
-                client.close()
-        raise RuntimeError("no cluster node is running")
+        view = next(self._views(), None)
+        if view is None:
+            raise RuntimeError("no cluster node is running")
+        return view
 
     def master_names(self) -> list[str]:
         """``host:port`` of the masters that serve slots and are not failed."""
@@ -327,17 +320,41 @@ class LocalRedisCluster:
     def restart(self, name: str) -> None:
         self.node(name).start()
 
+    def _views(self) -> Iterator[list[ClusterNodeInfo]]:
+        """CLUSTER NODES as seen by each live node that answers, in node order."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            client = node.client()
+            try:
+                view = cluster_nodes(client)
+            except (redis.RedisError, OSError):
+                continue
+            finally:
+                client.close()
+            yield view
+
     def wait_promoted(self, dead_master: str, timeout: float = 60.0) -> str:
-        """Wait until another node serves the slots ``dead_master`` had; returns its ``host:port``."""
+        """Wait until every live node sees another node serve the slots ``dead_master`` had.
+
+        Returns that node's ``host:port``. Waiting for all views (not the first node's) means a client
+        that reads the slot map from any live node afterwards sees the promotion.
+        """
         before = set(self.master_names()) | {dead_master}
         found: list[str] = []
 
         def promoted() -> bool:
-            new = [m for m in self.master_names() if m not in before]
-            found[:] = new
-            return bool(new)
+            news = [
+                {n.name for n in view if n.master and n.slots and not n.failed} - before
+                for view in self._views()
+            ]
+            agreed = set.intersection(*news) if news else set()
+            found[:] = sorted(agreed)
+            return bool(agreed)
 
-        wait_until(promoted, timeout, f"a replica of {dead_master} to be promoted", interval=0.1)
+        wait_until(
+            promoted, timeout, f"every live node to see a replica of {dead_master} promoted", interval=0.1
+        )
         return found[0]
 
     def stop(self) -> None:

@@ -17,8 +17,9 @@ misses: after a failure the tier stops calling that node for ``backoff`` seconds
 consecutive failure, capped), then lets one trial call through; a success closes the circuit again.
 In a cluster there is one breaker per master, so a dead master is a miss on its slots only while the
 other masters keep serving. While a breaker is open the slot map is refreshed (at most once per
-``base_backoff_s``), so the tier sees a replica promoted in a failover and reads and writes its
-slots again at once. Outages are logged once per opening and counted in :class:`RedisTierStats`.
+``refresh_interval_s``, independent of the backoff: a refresh that still sees the old master -- the
+cluster has not promoted yet, or the node asked has a stale view -- is retried soon after), so the tier
+sees a replica promoted in a failover and reads and writes its slots again at once. Outages are logged once per opening and counted in :class:`RedisTierStats`.
 
 **Replication.** With replicas, a write is *acknowledged* (``put`` returns True) only once ``WAIT``
 on the write's own connection says ``wait_replicas`` replicas hold it, so a master killed right
@@ -189,6 +190,8 @@ class RedisTier:
     wait_timeout_s: the WAIT timeout (default ``timeout_s / 2``; must be below ``timeout_s``).
     secret: the store secret; values are signed with it and unsigned values are misses.
     max_value_bytes: entries larger than this are not written to Redis (they stay in the local tiers).
+    refresh_interval_s: while some master's circuit is open, the slot map is re-read at most this often
+        (cluster mode), so a promoted replica is found within about this long of the promotion.
     """
 
     name = "redis"
@@ -205,7 +208,11 @@ class RedisTier:
         wait_timeout_s: float | None = None,
         secret: bytes | None = None,
         max_value_bytes: int = 64 * 1024**2,
+        refresh_interval_s: float = 0.5,
     ) -> None:
+        if refresh_interval_s <= 0:
+            raise ValueError(f"refresh_interval_s must be positive, got {refresh_interval_s}")
+        self.refresh_interval_s = refresh_interval_s
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be >= 1, got {max_value_bytes}")
         self.secret = secret
@@ -398,12 +405,12 @@ class RedisTier:
         self._masters = masters
 
     def _maybe_refresh(self) -> None:
-        """Re-read the slot map (at most once per ``base_backoff_s``) while some master's circuit is open."""
+        """Re-read the slot map (at most once per ``refresh_interval_s``) while some master's circuit is open."""
         if not isinstance(self.client, RedisCluster) or not self._refresh_lock.acquire(blocking=False):
             return
         try:
             now = self.breaker.clock()
-            if now - self._last_refresh < self.breaker.base_backoff_s:
+            if now - self._last_refresh < self.refresh_interval_s:
                 return
             self._last_refresh = now
             try:
