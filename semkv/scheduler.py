@@ -274,12 +274,33 @@ class Scheduler(Generic[S, J]):
 
     def _prefill_share(self, budget: int) -> int:
         """Tokens the prefills in progress may compute in this step: the whole budget, or half of it
-        while a waiting request could be admitted, so a request arriving during a long chunked prefill
-        starts in the next step instead of after the whole prompt (the long prefill still advances by
-        at least half a budget every step: arrivals never starve it)."""
+        while the first waiting request could be admitted (a free place in the batch and room for its
+        live KV), so a request arriving during a long chunked prefill starts in the next step instead of
+        after the whole prompt (the long prefill still advances by at least half a budget every step:
+        arrivals never starve it). A request that must wait for live KV anyway takes nothing from it."""
         if self.waiting and self.prefilling and self.num_running < self.config.max_running:
-            return max(1, budget // 2)
+            if self._head_fits_kv():
+                return max(1, budget // 2)
         return budget
+
+    def _head_fits_kv(self) -> bool:
+        """Whether the first waiting request's live KV fits beside the running and prefilling ones
+        (admission goes in arrival order: if it does not fit, no request is admitted in this step). A
+        request that can never run (its admission raises) counts as fitting: ``_admit`` ends it."""
+        limit = self.config.max_live_kv_bytes
+        if limit is None:
+            return True
+        entry = self.waiting[0]
+        if entry.admission is None:
+            try:
+                entry.admission = self.runner.admission(entry.request)
+            except ValueError:
+                return True
+        return self._live_kv_bytes() + entry.admission.kv_bytes <= limit
+
+    def _live_kv_bytes(self) -> int:
+        """Live KV reserved by the running and prefilling requests (prompt + max_new_tokens rows each)."""
+        return sum(e.admission.kv_bytes for e in (*self.running, *self.prefilling) if e.admission is not None)
 
     def _take_inbox(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -320,7 +341,7 @@ class Scheduler(Generic[S, J]):
         room and their reserved KV fits."""
         cfg = self.config
         admitted: list[_Entry[S, J]] = []
-        live = sum(e.admission.kv_bytes for e in (*self.running, *self.prefilling) if e.admission is not None)
+        live = self._live_kv_bytes()
         while self.waiting and self.num_running + len(admitted) < cfg.max_running:
             entry = self.waiting[0]
             if entry.admission is None:

@@ -261,6 +261,29 @@ def test_an_arrival_during_a_long_chunked_prefill_starts_in_the_next_step():
     run_all(scheduler)
 
 
+def test_a_request_waiting_for_live_kv_does_not_slow_the_long_prefill():
+    """A short request that arrives during a long chunked prefill but whose live KV does not fit beside
+    it cannot start before the long one has finished: the long prefill keeps the whole step budget (8
+    tokens per step, not the half it yields to a request that could start); the short one runs after."""
+    runner = RuleRunner()
+    long_prompt = " ".join(f"w{i}" for i in range(40))
+    long_kv = (40 + 3) * BYTES_PER_TOKEN
+    scheduler = Scheduler(
+        runner, SchedulerConfig(max_running=8, max_batched_tokens=8, max_live_kv_bytes=long_kv + 10)
+    )
+    first = scheduler.add_request(request(long_prompt))
+    scheduler.step()
+    short = scheduler.add_request(request("s t"))  # (2 + 3) rows: does not fit beside the long one
+    while long_prompt not in runner.prefills:
+        scheduler.step()
+    assert [n for prompt, n in runner.chunks if prompt == long_prompt] == [8, 8, 8, 8, 8]
+    assert "s t" not in runner.prefills and scheduler.num_waiting == 1
+    outputs = run_all(scheduler)
+    assert runner.prefills == [long_prompt, "s t"]
+    assert finished_once(outputs[first]).finish_reason == "length"
+    assert finished_once(outputs[short]).finish_reason == "length"
+
+
 def test_unchunked_prefill_runs_whole_in_a_step_that_computes_nothing_else():
     runner = RuleRunner()
     scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=6, chunked_prefill=False))

@@ -578,7 +578,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 403, "this API key may not publish shared documents", "shared", "permission_denied"
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
-        docs = await _run(lambda: state.add_documents(body.texts, namespace, principal.tenant))
+        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
@@ -608,7 +608,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             if shared is None or not principal.can_publish or shared.owner != principal.tenant:
                 raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
             namespace = Namespace.shared()
-        deleted = await _run(lambda: state.delete_document(doc_id, namespace))
+        deleted = await _run(state, lambda: state.delete_document(doc_id, namespace))
         if deleted is None:
             raise APIError(404, f"unknown document id {doc_id!r:.60}", "doc_id", "document_not_found")
         return {"id": doc_id, "object": "document", "deleted": True}
@@ -691,10 +691,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-async def _run(job: Callable[[], Any]) -> Any:
-    """A blocking job (it takes the engine's lock between steps) off the event loop."""
+async def _run(state: ServerState, job: Callable[[], Any]) -> Any:
+    """A blocking job that uses the model, on the engine thread between steps (off the event loop)."""
     try:
-        return await run_in_threadpool(job)
+        return await asyncio.wrap_future(state.loop.run_job(job))
     except APIError:
         raise
     except asyncio.CancelledError:
