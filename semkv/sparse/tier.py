@@ -85,6 +85,7 @@ class FastTier:
         self.used_hot = 0
         self._window_start = 0
         self._bias: list[tuple[Tensor | None] | None] = [None] * self.groups  # per group, this step's mask
+        self._visible: list[list[int]] = [[] for _ in self.layer_groups]  # per group, the visible blocks
         # per layer: ((window start, sink rows), end) of the window rows its buffer holds
         self._copied: list[tuple[tuple[int, int], int]] = [((-1, -1), 0)] * cache.num_layers
 
@@ -132,14 +133,21 @@ class FastTier:
                 self.k[layer].index_copy_(1, dst, cache.k_rot[layer].index_select(1, src))
                 self.v[layer].index_copy_(1, dst, cache.v[layer].index_select(1, src))
             copies = len(missing) * len(self.layer_groups[group])
+        if missing or selected != self._visible[group]:  # else the same slots stay visible
+            self._show(group, selected, cache)
+        return copies
+
+    def _show(self, group: int, selected: list[int], cache: KVCache) -> None:
+        """Make the slots of ``selected`` (resident) the only visible ones of ``group``."""
         visible = self.positions[group, : self.slot_rows]
         visible.fill_(HIDDEN)
         if selected:
             chosen = torch.tensor(selected, dtype=torch.long)
-            slots = torch.tensor([slot_of[b] for b in selected], dtype=torch.long)
-            visible[self.block_rows(slots)] = cache.positions[self.block_rows(chosen)]
+            slots = torch.tensor([self.slot_of[group][b] for b in selected], dtype=torch.long)
+            blocks = cache.positions.narrow(0, 0, (max(selected) + 1) * self.block_size)
+            visible.view(self.slots, self.block_size)[slots] = blocks.view(-1, self.block_size)[chosen]
+        self._visible[group] = list(selected)
         self._bias[group] = None
-        return copies
 
     # -- hot rows ----------------------------------------------------------------------------------
     def set_sink(self, cache: KVCache, rows: int) -> None:
