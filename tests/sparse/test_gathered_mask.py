@@ -49,7 +49,9 @@ class Spy:
         return picked
 
 
-def run(policy: str, model, ids: list[int], strip_mask: bool) -> tuple[list[torch.Tensor], SparseDecoder, int]:
+def run(
+    policy: str, model, ids: list[int], strip_mask: bool
+) -> tuple[list[torch.Tensor], SparseDecoder, int]:
     runtime = Runtime(adapter_for("llama")(model), torch.float32, torch.bfloat16)
     cache = runtime.new_cache(len(ids) + STEPS + 1)
     with capture_prefill_queries(cache) as queries:
