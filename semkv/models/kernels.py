@@ -318,8 +318,6 @@ def _gemm_decode(
     contiguous first is ~10% faster per layer at 2K keys (91 vs 101 us) but 8x slower at 8K (2.0 vs
     0.26 ms; likely the fresh multi-MB buffer per layer and step).
     """
-    nh, _, d = q.shape
-    kvh = k.shape[0]
     lo, hi = 0, k.shape[1]
     if ordered:
         hi = int(torch.searchsorted(k_pos, q_pos, right=True))
@@ -330,11 +328,21 @@ def _gemm_decode(
         bias = _position_bias(q_pos, k_pos, window, q.dtype)
         if not bool(torch.isinf(bias).any()):
             bias = None
-    scores = torch.bmm(k[:, lo:hi], q.view(kvh, nh // kvh, d).transpose(1, 2)).transpose(1, 2)
+    return decode_products(q, k[:, lo:hi], v[:, lo:hi], bias)
+
+
+def decode_products(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """One already scaled query [nh, 1, d] over keys and values [kvh, R, d]: k @ q^T (the query heads of
+    a KV head folded into one matrix), ``bias`` [1, R] added (0 / -inf; None: every row seen), softmax,
+    probabilities @ v. Returns [1, nh * d]. The tail of :func:`_gemm_decode`; a sparse decoder's
+    gathered rows come here directly with the mask it built once per step."""
+    nh, _, d = q.shape
+    kvh = k.shape[0]
+    scores = torch.bmm(k, q.view(kvh, nh // kvh, d).transpose(1, 2)).transpose(1, 2)
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, v[:, lo:hi]).view(1, nh * d)
+    return torch.bmm(probs, v).view(1, nh * d)
 
 
 def batched_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
 from semkv.models.cache import DecodeArena, KVCache
-from semkv.models.kernels import attention, batched_decode_attention, in_order
+from semkv.models.kernels import attention, batched_decode_attention, decode_products, in_order
 from semkv.models.precision import cast_model
 
 
@@ -387,7 +387,8 @@ class Runtime:
                 if gatherer is not None:
                     picked = gatherer.gather(layer, q_rot, cache)
                     if picked is not None:
-                        (keys, values, key_pos), known = picked, None
+                        out[one] = self._gathered_attention(layer, q_rot, positions[one], picked)
+                        continue
                 out[one] = attention(
                     q_rot,
                     keys,
@@ -400,6 +401,20 @@ class Runtime:
                 )
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)
+
+    def _gathered_attention(self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: tuple) -> Tensor:
+        """Attention [1, nh * d] of one query [nh, 1, d] over the rows a sparse decoder gathered:
+        (keys, values, positions), or a :class:`~semkv.sparse.tier.GatheredRows` whose ``mask_known``
+        says its ``bias`` already is the mask the positions give: on CPU in bf16 / fp16 that goes straight
+        to :func:`~semkv.models.kernels.decode_products` (the same products as :func:`attention`, without
+        building and checking the mask at every layer)."""
+        keys, values, key_pos = picked[0], picked[1], picked[2]
+        scaling = self.adapter.scaling(layer)
+        window = self.adapter.window(layer)
+        fast = q_rot.device.type == "cpu" and q_rot.dtype in (torch.bfloat16, torch.float16)
+        if fast and window is None and len(picked) > 4 and picked[4]:
+            return decode_products(q_rot * scaling, keys, values, picked[3])
+        return attention(q_rot, keys, values, q_pos, key_pos, scaling, window)
 
     def _shared_step(
         self,

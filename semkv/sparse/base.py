@@ -40,6 +40,7 @@ class StepView:
     prefill: queries captured during prefill (SnapKV, H2O), or None.
     selecting: the layers that attend to selected blocks (not window or dense layers).
     group: the layers that share this selection (per-group policies).
+    span: ``candidates`` as a slice of block ids, or None (then read from ``candidates``).
     """
 
     cache: KVCache
@@ -52,9 +53,13 @@ class StepView:
     prefill: PrefillQueries | None = None
     selecting: tuple[int, ...] = ()
     group: tuple[int, ...] = ()
+    span: slice | None = None
 
     def candidate_span(self) -> slice:
-        """The candidates as a slice of block ids (they are always a contiguous range)."""
+        """The candidates as a slice of block ids (they are always a contiguous range; ``span`` when the
+        decoder gave it, which saves reading the tensor)."""
+        if self.span is not None:
+            return self.span if self.span.stop > self.span.start else slice(0, 0)
         if self.candidates.numel() == 0:
             return slice(0, 0)
         return slice(int(self.candidates[0]), int(self.candidates[-1]) + 1)

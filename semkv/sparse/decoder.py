@@ -8,7 +8,8 @@ them, (3) asks the policy for scores (once per step, or per layer with that laye
 query), keeps the budget's top blocks, (4) makes them resident in the
 :class:`FastTier` (copying what is missing from the slow tier, evicting what is
 neither selected nor worth keeping by the policy's residency hint) and (5) hands the
-runtime the keys, values and positions of hot rows + selected blocks.
+runtime the keys, values and positions of hot rows + selected blocks, with the mask of
+the tier's hidden rows built once per step (not per layer).
 
 If the budget covers every candidate the step is dense: the runtime attends to
 every row exactly as without a selector. Sliding-window layers (``layer_windows``) never
@@ -28,7 +29,7 @@ from torch import Tensor
 from semkv.models.cache import KVCache
 from semkv.sparse.base import Budget, SparsePolicy, StepRecord, StepView, topk_blocks
 from semkv.sparse.index import BlockIndex, PrefillQueries
-from semkv.sparse.tier import HIDDEN, FastTier
+from semkv.sparse.tier import HIDDEN, FastTier, GatheredRows
 
 
 @dataclass
@@ -101,10 +102,12 @@ class SparseDecoder:
         self._groups: list[tuple[int, ...]] = []
         self._group_of: dict[int, int] = {}
         self._at_step_start = True
+        self._reads_queries = True
         self._step = -1
         self._step_state: dict[str, Any] = {}
         self.prepare_s = 0.0
         self._ordered = False  # cache rows in position order (window layers may then slice)
+        self._all_past = False  # every cache row precedes the decoded ones (the tier's mask is then exact)
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, index: BlockIndex) -> None:
@@ -117,6 +120,8 @@ class SparseDecoder:
         self.index = index
         positions = cache.valid_positions()
         self._ordered = bool((positions[1:] > positions[:-1]).all())
+        # decoded rows go after the last row's position: every row precedes them if the last is the latest
+        self._all_past = bool(positions.numel() == 0 or positions[-1] == positions.max())
         windows = self.config.layer_windows
         self._selecting = tuple(
             i
@@ -131,6 +136,10 @@ class SparseDecoder:
         self._groups = groups
         self._group_of = {layer: i for i, g in enumerate(groups) for layer in g}
         self._at_step_start = not self.policy.per_layer and len(groups) == 1
+        # a once-per-step policy that neither observes nor sees queries never reads a layer's query
+        self._reads_queries = (
+            not self._at_step_start or self._observes or self._sees_queries or self.config.record_queries
+        )
         most = self.config.budget.blocks(cache.capacity, self.block_size)
         slots = max(1, int(most * self.config.resident_factor))
         if not self.policy.is_dense:
@@ -160,13 +169,15 @@ class SparseDecoder:
         return sink, win_block, win_block * bs
 
     # -- the runtime hook -------------------------------------------------------------------------
-    def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
+    def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> GatheredRows | None:
         """Keys [kvh, R, d], values [kvh, R, d] and positions [R] this layer attends to (the new
-        row included), or None for every row. Rows hidden this step carry a far-future position.
-        Policies see the query and keys in float32, whatever the compute dtype."""
-        q_rot = q_rot.float()
+        row included), or None for every row. Rows hidden this step carry a far-future position
+        and, when every cache row precedes the new token, the mask hiding them comes along
+        (``mask_known``). Policies see the query and keys in float32, whatever the compute dtype."""
         if layer == 0:
             self._start_step(cache)
+        if self._reads_queries:
+            q_rot = q_rot.float()
         if self.config.record_queries:
             self._step_state["queries"].append(q_rot[:, 0].detach().clone())
         window = self.config.layer_windows[layer] if layer < len(self.config.layer_windows) else None
@@ -177,10 +188,8 @@ class SparseDecoder:
             self.policy.see_query(layer, q_rot)  # after this layer's selection: it is the next step's probe
         return picked
 
-    def _selected_rows(
-        self, layer: int, q_rot: Tensor, cache: KVCache
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The fast tier's rows for ``layer`` (choosing its group's blocks first if it leads the group)."""
+    def _selected_rows(self, layer: int, q_rot: Tensor, cache: KVCache) -> GatheredRows | None:
+        """The attended rows of ``layer`` (choosing its group's blocks first if it leads the group)."""
         state = self._step_state
         if state["dense"] or layer not in self._group_of:
             return None
@@ -192,32 +201,44 @@ class SparseDecoder:
         elif layer == self._groups[group][0]:
             selected = self._select(cache, layer, q_rot)
             state["selected"] = selected
-            record.selected.append(selected.tolist())
-            start = time.perf_counter()
-            record.loaded_blocks += self.tier.ensure(group, selected, cache, state["extra"])
-            record.gather_s += time.perf_counter() - start
+            self._place(group, selected, cache)
         else:
             selected = state["selected"]
         start = time.perf_counter()
-        keys, values, k_pos = self.tier.view(layer, cache)
+        picked = self.tier.view(layer, cache, mask_known=self._all_past)
         record.gather_s += time.perf_counter() - start
         if self._observes:
             start = time.perf_counter()
             region_rows = torch.cat(
                 [
-                    self.tier.block_rows(self.tier.block_in[group].clamp(min=0)),
+                    self.tier.block_rows(torch.tensor(self.tier.block_in[group]).clamp(min=0)),
                     torch.arange(state["sink_rows"]),
                     torch.arange(state["win_row"], cache.length),
                 ]
             )
-            visible = k_pos != HIDDEN
+            visible = picked.positions != HIDDEN
             self.policy.observe(
-                self._view(cache, layer, q_rot), selected, keys[:, visible].float(), region_rows[visible]
+                self._view(cache, layer, q_rot),
+                selected,
+                picked.keys[:, visible].float(),
+                region_rows[visible],
             )
             record.select_s += time.perf_counter() - start
-        return keys, values, k_pos
+        return picked
 
-    def _window_rows(self, layer: int, cache: KVCache, window: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    def _place(self, group: int, selected: Tensor, cache: KVCache) -> None:
+        """Record ``selected`` (the group's choice this step) and make it resident and visible in the
+        fast tier (copying the blocks that are not resident)."""
+        assert self.tier is not None
+        state = self._step_state
+        record = state["record"]
+        blocks = selected.tolist()
+        record.selected.append(blocks)
+        start = time.perf_counter()
+        record.loaded_blocks += self.tier.ensure(group, blocks, cache, state["extra"])
+        record.gather_s += time.perf_counter() - start
+
+    def _window_rows(self, layer: int, cache: KVCache, window: int) -> GatheredRows | None:
         """The rows a sliding-window layer sees (position within ``window`` of the new row's): a slice of
         the cache when rows are in position order, else None (every row, masked by the runtime)."""
         if not self._ordered:
@@ -225,7 +246,7 @@ class SparseDecoder:
         positions = cache.valid_positions()
         first = int(torch.searchsorted(positions, positions[-1] - window + 1))
         rows = slice(first, cache.length)
-        return cache.k_rot[layer][:, rows], cache.v[layer][:, rows], positions[rows]
+        return GatheredRows(cache.k_rot[layer][:, rows], cache.v[layer][:, rows], positions[rows])
 
     def _view(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> StepView:
         state = self._step_state
@@ -242,6 +263,7 @@ class SparseDecoder:
             self.prefill,
             self._selecting,
             group,
+            state["span"],
         )
 
     def _select(self, cache: KVCache, layer: int | None, q_rot: Tensor | None) -> Tensor:
@@ -281,6 +303,7 @@ class SparseDecoder:
         dense = self.policy.is_dense or (self.config.dense_when_covered and budget >= candidates.numel())
         self._step_state = {
             "candidates": candidates,
+            "span": slice(sink, max(sink, win_block)),
             "budget": budget,
             "sink_rows": sink * self.block_size,
             "win_row": win_row,
@@ -301,10 +324,7 @@ class SparseDecoder:
         record.gather_s += time.perf_counter() - start
         if self._at_step_start:
             selected = self._select(cache, None, None)
-            record.selected.append(selected.tolist())
-            start = time.perf_counter()
-            record.loaded_blocks += self.tier.ensure(0, selected, cache, self._step_state["extra"])
-            record.gather_s += time.perf_counter() - start
+            self._place(0, selected, cache)
             self._step_state["selected"] = selected
 
     def finish(self) -> None:

@@ -50,6 +50,7 @@ class StabilityFilter:
     keep_at: float = 0.5
     _history: Tensor | None = field(default=None, repr=False)
     _steps: int = field(default=0, repr=False)
+    _scores: Tensor | None = field(default=None, repr=False)  # of the history as it stands
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -70,12 +71,16 @@ class StabilityFilter:
         self._history[self._steps % self.window, :nb] = high
         self._history[self._steps % self.window, nb:] = 0.0
         self._steps += 1
+        self._scores = None
         return self.scores()[:nb]
 
     def scores(self) -> Tensor:
+        """Stability [blocks seen] (computed once per update)."""
         if self._history is None:
             return torch.zeros(0)
-        return self._history.sum(0) / min(self._steps, self.window)
+        if self._scores is None:
+            self._scores = self._history.sum(0) / min(self._steps, self.window)
+        return self._scores
 
     def keep(self) -> Tensor:
         """Bool [nb]: blocks stable enough to stay resident."""
@@ -301,7 +306,7 @@ class KeyKeyPolicy(SparsePolicy):
         if self.stability is not None:
             flat = raw if raw.dim() == 1 else raw.mean(dim=0)
             full = torch.zeros(view.index.num_complete)
-            full[view.candidates] = flat
+            full[view.candidate_span()] = flat
             self.stability.update(full)
         self._step_cache = (view.step, masked, raw)
         return masked, raw

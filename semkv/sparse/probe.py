@@ -122,6 +122,9 @@ class ProbePolicy(SparsePolicy):
     _question: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> [prompt blocks]
     _last_selected: list[Tensor] = field(default_factory=list, repr=False)
     _num_blocks: int = field(default=0, repr=False)
+    _reserved: dict[tuple, tuple[Tensor, Tensor]] = field(
+        default_factory=dict, repr=False
+    )  # question's top candidates
 
     def __post_init__(self) -> None:
         if self.head_agg not in HEAD_AGGREGATES:
@@ -144,6 +147,7 @@ class ProbePolicy(SparsePolicy):
             raise ValueError("probe needs the prompt's queries captured at prefill")
         self._queries = {layer: view.prefill.q[layer][:, -1] for layer in view.selecting}
         self._last_selected = []
+        self._reserved = {}
         self._question = self._question_scores(view) if self.prompt_share > 0 else {}
 
     def _question_scores(self, view: StepView) -> dict[int, Tensor]:
@@ -199,19 +203,31 @@ class ProbePolicy(SparsePolicy):
     def _with_question(self, view: StepView, layers: tuple[int, ...], step: Tensor) -> Tensor:
         """The question's top ``prompt_share`` of the budget first (scores lifted above every step
         score), then the step probe's order for the rest."""
-        per_layer = [self._question[layer] for layer in layers if layer in self._question]
         reserved = int(round(self.prompt_share * view.budget))
-        if not per_layer or reserved <= 0:
+        if reserved <= 0 or not any(layer in self._question for layer in layers):
             return step
-        prompt = torch.stack(per_layer).mean(dim=0)
+        span = view.candidate_span()
+        key = (layers, span.start, span.stop, reserved)
+        if key not in self._reserved:  # the question's scores never change: once per candidate range
+            self._reserved = {key: self._question_top(view, layers, step, reserved)}
+        top, lift = self._reserved[key]
+        lifted = step.clone()
+        lifted[top] = lift  # step scores are <= 1
+        return lifted
+
+    def _question_top(
+        self, view: StepView, layers: tuple[int, ...], step: Tensor, reserved: int
+    ) -> tuple[Tensor, Tensor]:
+        """(the question's top ``reserved`` candidates [k] as candidate offsets, their lifted scores [k])."""
+        prompt = torch.stack([self._question[layer] for layer in layers if layer in self._question]).mean(
+            dim=0
+        )
         known = view.candidates < prompt.numel()
         question = torch.zeros_like(step)
         question[known] = prompt[view.candidates[known]]
         question = self._spread(question)
         top = torch.topk(question, min(reserved, question.numel())).indices
-        lifted = step.clone()
-        lifted[top] = 2.0 + question[top]  # step scores are <= 1
-        return lifted
+        return top, 2.0 + question[top]
 
     def _remember(self, view: StepView, scores: Tensor) -> None:
         """Keep this step's choice (the decoder's top-k of the same scores) for residency."""

@@ -10,16 +10,20 @@ values in the compute dtype so no RoPE is redone per step.
 Layout per layer: ``[slots * block_size rows | hot rows]``, one contiguous buffer.
 Attention reads the whole used region as is — no gather copy per step. Rows that
 must not be seen this step (free slots, resident-but-unselected blocks, unused hot
-rows) get a position far in the future, so the causal mask built from positions
-hides them. The hot rows are the sink block(s), copied once, and the local window,
-refreshed every layer (it holds the new token).
+rows) get a position far in the future, and :meth:`FastTier.view` hands the runtime the
+additive mask that hides them, built once per step and group (not per layer). The hot rows
+are the sink block(s), copied once, and the local window, whose rows are copied into each
+layer once (the new token's row at its step; the whole window when it moves on by a block).
 
 Slot maps come in ``groups`` of layers that share one selection: one group of every reading
 layer (policies that choose once per step), one per layer (per-layer policies), or anything
-between (a policy's layer groups).
+between (a policy's layer groups). The slot maps are Python lists: a step touches a few dozen
+blocks, fewer operations than tensor bookkeeping.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +31,19 @@ from torch import Tensor
 from semkv.models.cache import KVCache
 
 HIDDEN = 2**62  # position of rows attention must not see (later than any query)
+
+
+class GatheredRows(NamedTuple):
+    """What a sparse decoder hands the runtime for one layer: keys and values [kvh, R, d] and their
+    positions [R]. ``mask_known``: ``bias`` is the mask the positions give for the new token —
+    additive [1, R] (0: seen, -inf: hidden), or None when every row is seen — so the runtime need not
+    build it from the positions."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    bias: Tensor | None = None
+    mask_known: bool = False
 
 
 class FastTier:
@@ -59,65 +76,78 @@ class FastTier:
         self.k = torch.zeros(shape, dtype=cache.compute_dtype)
         self.v = torch.zeros(shape, dtype=cache.compute_dtype)
         self.positions = torch.full((self.groups, self.slot_rows + hot_rows), HIDDEN, dtype=torch.long)
-        max_blocks = cache.capacity // block_size + 1
-        self.slot_of = torch.full((self.groups, max_blocks), -1, dtype=torch.long)
-        self.block_in = torch.full((self.groups, slots), -1, dtype=torch.long)
+        self.block_in: list[list[int]] = [[-1] * slots for _ in self.layer_groups]  # per slot, -1: free
+        self.slot_of: list[dict[int, int]] = [{} for _ in self.layer_groups]
         self._offsets = torch.arange(block_size)
         elem = torch.empty((), dtype=cache.kv_dtype).element_size()
         self.layer_block_bytes = 2 * cache.num_kv_heads * block_size * cache.head_dim * elem
         self.sink_rows = 0
         self.used_hot = 0
-
-    def _layers(self, group: int) -> list[int]:
-        return self.layer_groups[group]
-
-    def _grow(self, blocks: int) -> None:
-        if blocks <= self.slot_of.shape[1]:
-            return
-        grown = torch.full((self.groups, 2 * blocks), -1, dtype=torch.long)
-        grown[:, : self.slot_of.shape[1]] = self.slot_of
-        self.slot_of = grown
+        self._window_start = 0
+        self._bias: list[tuple[Tensor | None] | None] = [None] * self.groups  # per group, this step's mask
+        self._visible: list[list[int]] = [[] for _ in self.layer_groups]  # per group, the visible blocks
+        # per layer: ((window start, sink rows), end) of the window rows its buffer holds
+        self._copied: list[tuple[tuple[int, int], int]] = [((-1, -1), 0)] * cache.num_layers
 
     def block_rows(self, blocks: Tensor) -> Tensor:
         """Row indices [n * block_size] of ``blocks`` (in a cache or, for slots, in the tier)."""
         return (blocks.unsqueeze(1) * self.block_size + self._offsets).reshape(-1)
 
+    def resident(self, group: int) -> list[int]:
+        """Blocks resident in ``group``'s slots, in slot order."""
+        return [block for block in self.block_in[group] if block >= 0]
+
     # -- blocks ------------------------------------------------------------------------------------
-    def ensure(self, group: int, selected: Tensor, cache: KVCache, extra: Tensor | None = None) -> int:
-        """Make ``selected`` resident and the only visible slots; keep ``extra`` blocks (priority
-        order) in the room left; evict every other block. Returns (layer, block) copies made."""
-        if selected.numel() > self.slots:
-            raise RuntimeError(f"{selected.numel()} blocks selected but the fast tier has {self.slots} slots")
-        if selected.numel():
-            self._grow(int(selected.max()) + 1)
+    def ensure(self, group: int, selected: list[int], cache: KVCache, extra: Tensor | None = None) -> int:
+        """Make ``selected`` (ascending block ids) resident and the only visible slots; keep ``extra``
+        blocks (priority order) in the room left; evict every other block. Missing blocks go to the
+        lowest free slots, in ``selected``'s order. Returns (layer, block) copies made."""
+        if len(selected) > self.slots:
+            raise RuntimeError(f"{len(selected)} blocks selected but the fast tier has {self.slots} slots")
         slot_of, block_in = self.slot_of[group], self.block_in[group]
-        held = slot_of[selected]
-        keep = torch.zeros(self.slots, dtype=torch.bool)
-        keep[held[held >= 0]] = True
-        if extra is not None and extra.numel():
-            extra = extra[extra < slot_of.numel()]
-            extra_slots = slot_of[extra]
-            extra_slots = extra_slots[extra_slots >= 0]
-            extra_slots = extra_slots[~keep[extra_slots]][: self.slots - selected.numel()]
-            keep[extra_slots] = True
-        drop = ~keep & (block_in >= 0)
-        slot_of[block_in[drop]] = -1
-        block_in[drop] = -1
-        missing = selected[held < 0]
+        wanted = set(selected)
+        keep = {slot_of[b] for b in selected if b in slot_of}
+        room = self.slots - len(selected)
+        if extra is not None and room > 0:
+            for block in extra.tolist():
+                slot = slot_of.get(block)
+                if slot is not None and block not in wanted and slot not in keep:
+                    keep.add(slot)
+                    room -= 1
+                    if room == 0:
+                        break
+        for slot, block in enumerate(block_in):
+            if block >= 0 and slot not in keep:
+                del slot_of[block]
+                block_in[slot] = -1
+        missing = [b for b in selected if b not in slot_of]
+        free = [slot for slot, block in enumerate(block_in) if block < 0][: len(missing)]
+        for block, slot in zip(missing, free, strict=True):
+            slot_of[block] = slot
+            block_in[slot] = block
         copies = 0
-        if missing.numel():
-            free = (~keep).nonzero().squeeze(1)[: missing.numel()]
-            slot_of[missing] = free
-            block_in[free] = missing
-            src, dst = self.block_rows(missing), self.block_rows(free)
-            for layer in self._layers(group):
-                self.k[layer][:, dst] = cache.k_rot[layer][:, src]
-                self.v[layer][:, dst] = cache.v[layer][:, src]
-            copies = int(missing.numel()) * len(self._layers(group))
+        if missing:
+            src = self.block_rows(torch.tensor(missing, dtype=torch.long))
+            dst = self.block_rows(torch.tensor(free, dtype=torch.long))
+            for layer in self.layer_groups[group]:
+                self.k[layer].index_copy_(1, dst, cache.k_rot[layer].index_select(1, src))
+                self.v[layer].index_copy_(1, dst, cache.v[layer].index_select(1, src))
+            copies = len(missing) * len(self.layer_groups[group])
+        if missing or selected != self._visible[group]:  # else the same slots stay visible
+            self._show(group, selected, cache)
+        return copies
+
+    def _show(self, group: int, selected: list[int], cache: KVCache) -> None:
+        """Make the slots of ``selected`` (resident) the only visible ones of ``group``."""
         visible = self.positions[group, : self.slot_rows]
         visible.fill_(HIDDEN)
-        visible[self.block_rows(slot_of[selected])] = cache.positions[self.block_rows(selected)]
-        return copies
+        if selected:
+            chosen = torch.tensor(selected, dtype=torch.long)
+            slots = torch.tensor([self.slot_of[group][b] for b in selected], dtype=torch.long)
+            blocks = cache.positions.narrow(0, 0, (max(selected) + 1) * self.block_size)
+            visible.view(self.slots, self.block_size)[slots] = blocks.view(-1, self.block_size)[chosen]
+        self._visible[group] = list(selected)
+        self._bias[group] = None
 
     # -- hot rows ----------------------------------------------------------------------------------
     def set_sink(self, cache: KVCache, rows: int) -> None:
@@ -130,6 +160,7 @@ class FastTier:
             self.k[layer][:, at] = cache.k_rot[layer][:, :rows]
             self.v[layer][:, at] = cache.v[layer][:, :rows]
         self.positions[:, at] = cache.positions[:rows]
+        self._bias = [None] * self.groups
 
     def set_window(self, cache: KVCache, start: int) -> None:
         """Declare rows [start, cache.length) the window for this step (positions only)."""
@@ -141,24 +172,44 @@ class FastTier:
         self.positions[:, begin + count :] = HIDDEN
         self.used_hot = self.sink_rows + count
         self._window_start = start
+        self._bias = [None] * self.groups
 
-    def view(self, layer: int, cache: KVCache) -> tuple[Tensor, Tensor, Tensor]:
-        """Copy ``layer``'s window rows in, and return (keys, values, positions) of the used region."""
+    def view(self, layer: int, cache: KVCache, mask_known: bool = True) -> GatheredRows:
+        """Copy ``layer``'s window rows in (those this layer's buffer does not hold yet: the rows of the
+        cache never change once written), and return the keys, values and positions of the used region,
+        with the mask of the hidden rows when ``mask_known`` (the caller knows every cache row precedes
+        the new token, so exactly the hidden rows are masked)."""
         begin = self.slot_rows + self.sink_rows
-        count = self.used_hot - self.sink_rows
-        rows = slice(self._window_start, self._window_start + count)
-        self.k[layer][:, begin : begin + count] = cache.k_rot[layer][:, rows]
-        self.v[layer][:, begin : begin + count] = cache.v[layer][:, rows]
-        end = self.slot_rows + self.used_hot
+        start, end = self._window_start, self._window_start + self.used_hot - self.sink_rows
+        have = self._copied[layer]
+        fresh = have[1] if have[0] == (start, self.sink_rows) and have[1] <= end else start
+        if fresh < end:
+            at, count = begin + fresh - start, end - fresh
+            self.k[layer].narrow(1, at, count).copy_(cache.k_rot[layer].narrow(1, fresh, count))
+            self.v[layer].narrow(1, at, count).copy_(cache.v[layer].narrow(1, fresh, count))
+            self._copied[layer] = ((start, self.sink_rows), end)
+        stop = self.slot_rows + self.used_hot
         group = self.group_of[layer]
-        return self.k[layer][:, :end], self.v[layer][:, :end], self.positions[group, :end]
+        positions = self.positions[group, :stop]
+        bias = self._mask(group, positions, cache.compute_dtype) if mask_known else None
+        return GatheredRows(self.k[layer][:, :stop], self.v[layer][:, :stop], positions, bias, mask_known)
 
-    def visible_blocks(self, group: int) -> Tensor:
+    def _mask(self, group: int, positions: Tensor, dtype: torch.dtype) -> Tensor | None:
+        """Additive mask [1, R] of ``group``'s hidden rows (None: none hidden), once per step and group."""
+        cached = self._bias[group]
+        if cached is None:
+            hidden = (positions == HIDDEN).unsqueeze(0)
+            bias = None
+            if bool(hidden.any()):
+                bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            cached = self._bias[group] = (bias,)
+        return cached[0]
+
+    def visible_blocks(self, group: int) -> list[int]:
         """Blocks visible to attention in ``group`` (resident and selected), by slot order."""
         rows = self.positions[group, : self.slot_rows].view(self.slots, self.block_size)[:, 0]
-        return self.block_in[group][rows != HIDDEN]
+        return [b for b, seen in zip(self.block_in[group], (rows != HIDDEN).tolist(), strict=True) if seen]
 
     def resident_layer_blocks(self) -> int:
         """Resident (layer, block) pairs."""
-        per_group = (self.block_in >= 0).sum(dim=1)
-        return sum(int(n) * len(g) for n, g in zip(per_group, self.layer_groups, strict=True))
+        return sum(len(self.slot_of[g]) * len(layers) for g, layers in enumerate(self.layer_groups))

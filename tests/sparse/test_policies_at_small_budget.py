@@ -6,7 +6,8 @@ wrapped to record what each layer attends to and which blocks are resident after
 Must happen, for every policy (one parametrized matrix):
 
 * the rows a layer attends to are exactly the sink rows, the window rows (the new token's included)
-  and the rows of the blocks selected for it: no hidden row leaks in, none of those is left out;
+  and the rows of the blocks selected for it, each once: no hidden row leaks in, none of those is left
+  out, and the mask handed over with them (the runtime uses it as is) hides exactly the hidden rows;
 * the selected blocks are candidates (between the sink and the window), as many as the budget gives;
 * residency: every selected block is resident, no block becomes resident without being selected, and
   a group never holds more blocks than the fast tier has slots;
@@ -49,18 +50,20 @@ class Recorder:
     def gather(self, layer: int, q_rot: torch.Tensor, cache) -> tuple | None:
         picked = self.decoder.gather(layer, q_rot, cache)
         assert picked is not None  # no step here is dense
-        _, _, positions = picked
+        positions = picked.positions
         tier = self.decoder.tier
         group = tier.group_of[layer]
-        block_in = tier.block_in[group]
         self.calls.append(
             {
                 "step": len(self.decoder.records) - 1,
                 "layer": layer,
                 "length": cache.length,
-                "attended": set(positions[positions != HIDDEN].tolist()),
+                "attended": positions[positions != HIDDEN].tolist(),
+                "mask": picked.bias,
+                "mask_known": picked.mask_known,
                 "group": group,
-                "resident": set(block_in[block_in >= 0].tolist()),
+                "resident": set(tier.resident(group)),
+                "hidden": (positions == HIDDEN).tolist(),
             }
         )
         return picked
@@ -108,7 +111,15 @@ def test_policy_attends_sink_window_and_budget_blocks_and_accounts_bytes(policy,
         assert all(1 <= b < window_block for b in selected)  # candidates only
         expected = set(range(BLOCK)) | set(range(window_block * BLOCK, length))
         expected |= {b * BLOCK + i for b in selected for i in range(BLOCK)}
-        assert call["attended"] == expected, (policy, call["step"], call["layer"])
+        assert sorted(call["attended"]) == sorted(expected), (
+            policy,
+            call["step"],
+            call["layer"],
+        )  # once each
+        # the mask handed over with the rows (the runtime applies it as is) hides exactly the hidden rows
+        assert call["mask_known"]
+        hidden = call["hidden"]
+        assert call["mask"].isinf()[0].tolist() == hidden if call["mask"] is not None else not any(hidden)
 
         group = call["group"]
         if per_layer or call["layer"] == 0:  # a per-step policy's residency changes at layer 0 only
