@@ -6,7 +6,7 @@ per-sequence path), on a model with sliding-window layers narrower than the cont
 joining, leaving and sitting in slots out of batch order, in fp32 and bf16. Must happen: each row's
 logits equal its own one-sequence decode (fp32: 1e-5, greedy tokens identical; bf16: the same tokens),
 dense in-order caches are bound to arena slots and the others are not, and a deep copy of a bound cache
-owns its rows.
+owns its rows; a sequence much longer than the others decodes on its own.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_sequences_join_and_leave_the_arena(tokenizer):
     keep their rows), and members in slots out of batch order still get their own rows' attention."""
     runtime = _runtime("llama", len(tokenizer))
     vocab = len(tokenizer)
-    pairs = {n: _twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (10, 21, 15, 60)}
+    pairs = {n: _twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (10, 21, 15, 40)}
     live = [10, 21]
     tokens = {n: pairs[n][2] for n in pairs}
 
@@ -133,10 +133,24 @@ def test_sequences_join_and_leave_the_arena(tokenizer):
     live = [21, 15]
     step(live)
     assert runtime.arena.occupied() == 2
-    step([60, 15, 21])  # a longer cache joins the freed slot: capacity grows, slot order != batch order
-    assert runtime.arena.capacity >= pairs[60][0].capacity
+    step([40, 15, 21])  # a longer cache joins the freed slot: capacity grows, slot order != batch order
+    assert runtime.arena.capacity >= pairs[40][0].capacity
     assert len(runtime.arena.slots) == first_slots
-    step([21, 60, 15])
+    step([21, 40, 15])
+
+
+def test_a_much_longer_sequence_decodes_on_its_own(tokenizer):
+    """A dense cache more than STRAGGLER_LENGTH times the batch's median length takes the per-sequence path
+    (the shared call would read every slot up to its length) and is never bound; the arena's capacity stays
+    the short ones'. Every row still gets its single-step logits."""
+    runtime = _runtime("llama", len(tokenizer))
+    vocab = len(tokenizer)
+    twins = [_twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (12, 90, 14, 10)]
+    batch, singles, tokens = (list(x) for x in zip(*twins, strict=True))
+    for _ in range(STEPS):
+        tokens = _decode_together(runtime, batch, singles, tokens, 1e-5)
+        assert [_bound(runtime, cache) for cache in batch] == [True, False, True, True]
+    assert runtime.arena.capacity < batch[1].capacity
 
 
 def test_deep_copy_of_a_bound_cache_owns_its_rows(tokenizer):
