@@ -6,23 +6,29 @@ Both paths pre-load reused KV into the cache rows (re-rotated to the new positio
 reusable rows and keeps the best ``ratio`` of all reusable rows; ``forced`` rows (uncached tokens:
 question, template, separators, unmatched tokens) are always kept. Layers before the first scheduled
 layer recompute every row (layer 0 always does). Selectors that rank by the question's attention
-(``needs_probe``) get the scores of a :class:`QueryProbe` pass run just before.
+(``needs_probe``) get the scores of a :class:`QueryProbe` pass run just before. The probe, and a recompute
+whose rows are known before the forward (:meth:`SelectiveRecompute.preselect`), run through
+:func:`forward_fixed_rows`: only their rows, from layer 0 on, with ``forward_rows``' arithmetic.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from semkv.models.runtime import LayerInputs, attention
+from semkv.models.adapters import apply_rope
+from semkv.models.cache import KVCache
+from semkv.models.runtime import LayerInputs, RopeTables, Runtime, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
 
 DeviationOn = Literal["k", "v", "kv"]
+Attention = Callable[..., Tensor]  # :func:`semkv.models.runtime.attention`'s signature
 
 
 def check_schedule(schedule: dict[int, float]) -> None:
@@ -72,6 +78,30 @@ class SelectiveRecompute:
     ) -> Tensor:
         if layer not in self.schedule:
             return torch.arange(active.numel(), device=active.device)
+        return self._keep(layer, active, fresh_k, fresh_v, cached_k, cached_v, inputs)
+
+    def preselect(self) -> Tensor | None:
+        """The rows [K] (offsets, ascending) kept through every layer, when the choice needs nothing a
+        forward computes: the only check layer is 0 and the selector does not rank by KV deviation
+        (``query``, ``chunk-start``, ``random``); None otherwise. The recompute then runs just these rows
+        from layer 0 on (:func:`forward_fixed_rows`) instead of every row through layer 0's projections:
+        the others keep their reused KV at every layer, layer 0 included, where it is the KV a forward
+        writes (a token's layer-0 keys and values do not depend on its context)."""
+        if set(self.schedule) != {0} or self.selector.uses_deviation:
+            return None
+        return self._keep(0, torch.arange(self.rows.forced.numel()))
+
+    def _keep(
+        self,
+        layer: int,
+        active: Tensor,
+        fresh_k: Tensor | None = None,
+        fresh_v: Tensor | None = None,
+        cached_k: Tensor | None = None,
+        cached_v: Tensor | None = None,
+        inputs: LayerInputs | None = None,
+    ) -> Tensor:
+        """Indices into ``active`` of the forced rows and the best of the candidates at ``layer``."""
         forced = self.rows.forced[active]
         candidates = self.rows.reusable[active].nonzero().squeeze(1)
         budget = min(math.ceil(self.schedule[layer] * self.num_reusable), int(candidates.numel()))
@@ -155,6 +185,13 @@ class QueryProbe:
         inputs: LayerInputs,
     ) -> Tensor:
         keep = self.rows.forced[active].nonzero().squeeze(1)
+        self.observe(layer, active, keep, inputs)
+        return keep[-1:] if layer >= self.last else keep
+
+    def observe(self, layer: int, active: Tensor, keep: Tensor, inputs: LayerInputs) -> None:
+        """Before ``layer``'s attention of rows ``active[keep]``: on the last probe layer record the question
+        rows' attention (from ``inputs``, over the active rows); on the others let :meth:`attention`
+        record it as it computes it."""
         self._asking = None
         if layer in self.layers and inputs.window is None:
             if layer >= self.last:
@@ -162,9 +199,6 @@ class QueryProbe:
             else:
                 asking = self.rows.query[active[keep]]
                 self._asking, self._first_row = (asking if bool(asking.any()) else None), inputs.first_row
-        if layer >= self.last:
-            keep = keep[-1:]
-        return keep
 
     def attention(
         self,
@@ -213,6 +247,72 @@ class QueryProbe:
         self.scores[: own.numel()] += own.to(self.scores.device, torch.float32)
 
 
+@torch.inference_mode()
+def forward_fixed_rows(
+    runtime: Runtime,
+    cache: KVCache,
+    start: int,
+    rows: Tensor,
+    attend: Attention = attention,
+    probe: QueryProbe | None = None,
+) -> Tensor | None:
+    """Run a fixed set of cache rows through the layers; every other row keeps the KV it holds.
+
+    rows: [R] offsets from ``start`` (ascending; the cache's last row last when logits are wanted).
+    Each layer is :meth:`Runtime.forward_rows`' step for its active rows, with its rounding (keys rounded
+    to the KV dtype and rotated from there in float32, queries rotated in float32 and rounded to the compute
+    dtype, rotary tables of every row's position), without the per-layer gathers of reused KV a
+    :class:`~semkv.models.runtime.RecomputeSelector` sees: for a recompute whose rows are known before the
+    forward (:meth:`SelectiveRecompute.preselect`) and for a :class:`QueryProbe` (its forced rows, which it
+    tells about every layer (:meth:`QueryProbe.observe`) and whose attention it computes; it stops after its
+    last layer). Returns the last row's logits [V], or None for a probe.
+    """
+    a = runtime.adapter
+    positions = cache.positions[start : cache.length]
+    tables = RopeTables(a, positions, torch.empty(0, device=runtime.device))
+    rows = rows.to(runtime.device)
+    cache_rows = rows + start
+    q_pos = positions[rows]
+    ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=runtime.device)
+    hidden = a.embed(ids[rows]).float()
+    everything = torch.arange(rows.numel(), device=runtime.device)
+    last = a.num_layers - 1 if probe is None else min(probe.last, a.num_layers - 1)
+    for layer in range(last + 1):
+        q, k, v = a.qkv(layer, hidden)
+        cos, sin = (t[rows] for t in tables(layer))
+        k_pre = k.to(runtime.kv_dtype)
+        cache.write(layer, cache_rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
+        if probe is not None:
+            inputs = LayerInputs(
+                q,
+                cos,
+                sin,
+                q_pos,
+                cache.keys(layer),
+                cache.valid_positions(),
+                start,
+                a.scaling(layer),
+                a.window(layer),
+            )
+            probe.observe(layer, rows, everything, inputs)
+            if layer >= probe.last:
+                return None
+            attend = probe.attention
+        if layer == a.num_layers - 1 and rows.numel() > 1:
+            hidden, q, q_pos, cos, sin = hidden[-1:], q[:, -1:], q_pos[-1:], cos[-1:], sin[-1:]
+        out = attend(
+            apply_rope(q.float(), cos, sin).to(runtime.compute_dtype),
+            cache.keys(layer),
+            cache.values(layer),
+            q_pos,
+            cache.valid_positions(),
+            a.scaling(layer),
+            a.window(layer),
+        )
+        hidden = a.finish_layer(layer, hidden, out)
+    return a.logits(hidden[-1:])[0]
+
+
 def question_attention(
     q: Tensor, k: Tensor, v: Tensor | None, q_pos: Tensor, k_pos: Tensor, scaling: float
 ) -> tuple[Tensor | None, Tensor]:
@@ -236,11 +336,11 @@ def question_attention(
     mass = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
     out = None if v is None else q.new_empty(nq, kvh, rep, d)
     for head in range(kvh):
-        logits = torch.mm(rows[head], k[head].t()).float()  # [rep * Q, Tk]
+        logits = torch.mm(rows[head], k[head].t())  # [rep * Q, Tk]
         if late.numel():
             block = logits[:, late].view(rep, nq, -1).masked_fill(hidden, float("-inf"))
             logits[:, late] = block.view(rep * nq, -1)
-        weights = torch.softmax(logits, dim=-1)
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32)  # no float32 copy of the logits first
         mass += weights.sum(dim=0)
         if out is not None and v is not None:
             out[:, head] = torch.mm(weights.to(v.dtype), v[head]).view(rep, nq, d).transpose(0, 1)

@@ -80,7 +80,9 @@ class ScoreView:
     budget: how many of them will be kept. rows: the request's :class:`RowInfo`.
     fresh_k, cached_k: [kvh, A, d] pre-RoPE keys (this forward / reused); fresh_v, cached_v: values.
     inputs: the layer's queries and keys. probe: [T] per-row scores a probe pass recorded before the
-    forward (:class:`semkv.reuse.selective.QueryProbe`), or None.
+    forward (:class:`semkv.reuse.selective.QueryProbe`), or None. The fresh / cached KV and ``inputs`` are
+    None when the choice is made before the forward (check layer 0 of a selector that does not use
+    deviation: :meth:`semkv.reuse.selective.SelectiveRecompute.preselect`).
     """
 
     layer: int
@@ -88,11 +90,11 @@ class ScoreView:
     candidates: Tensor
     budget: int
     rows: RowInfo
-    fresh_k: Tensor
-    fresh_v: Tensor
-    cached_k: Tensor
-    cached_v: Tensor
-    inputs: LayerInputs
+    fresh_k: Tensor | None
+    fresh_v: Tensor | None
+    cached_k: Tensor | None
+    cached_v: Tensor | None
+    inputs: LayerInputs | None
     probe: Tensor | None = None
 
     @property
@@ -103,6 +105,10 @@ class ScoreView:
     def deviation(self, on: str) -> Tensor:
         """[C] L2 deviation of the candidates' fresh KV from their reused KV ("k", "v" or "kv")."""
         c = self.candidates
+        if self.fresh_k is None or self.fresh_v is None or self.cached_k is None or self.cached_v is None:
+            raise RuntimeError(
+                "KV deviation needs the forward's KV (uses_deviation) but the choice was made before it"
+            )
         return kv_deviation(
             self.fresh_k[:, c], self.fresh_v[:, c], self.cached_k[:, c], self.cached_v[:, c], on
         )
