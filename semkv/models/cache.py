@@ -24,6 +24,18 @@ from torch import Tensor
 QueryObserver = Callable[[int, Tensor, Tensor], None]
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``. Between float16 and bfloat16 it goes through float32: the same bits (every value of
+    either type is a float32, so there is one rounding either way) and ~10x faster on CPU, where torch's
+    direct conversion took 2.0 ms per 786K elements against 0.16 ms (measured)."""
+    if t.dtype != dtype and t.dtype in HALF_DTYPES and dtype in HALF_DTYPES:
+        return t.float().to(dtype)
+    return t.to(dtype)
+
+
 class KVCache:
     """Buffers [kvh, capacity, d] per layer; ``length`` rows are valid."""
 
@@ -124,9 +136,9 @@ class KVCache:
         ``k_pre`` and ``v`` are rounded through the KV dtype, so live attention sees
         exactly what the store would hand back.
         """
-        self.k_pre[layer][:, rows] = k_pre.to(self.kv_dtype)
+        self.k_pre[layer][:, rows] = cast(k_pre, self.kv_dtype)
         self.k_rot[layer][:, rows] = k_rot.to(self.compute_dtype)
-        self.v[layer][:, rows] = v.to(self.kv_dtype).to(self.compute_dtype)
+        self.v[layer][:, rows] = cast(cast(v, self.kv_dtype), self.compute_dtype)
 
     def keys(self, layer: int) -> Tensor:
         """Rotated keys of valid rows [kvh, length, d]."""
@@ -142,7 +154,9 @@ class KVCache:
     def export(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Pre-RoPE keys and values of rows [start, end) in the KV dtype, each [L, kvh, n, d]."""
         k = torch.stack([self.k_pre[layer][:, start:end] for layer in range(self.num_layers)])
-        v = torch.stack([self.v[layer][:, start:end].to(self.kv_dtype) for layer in range(self.num_layers)])
+        v = torch.stack(
+            [cast(self.v[layer][:, start:end], self.kv_dtype) for layer in range(self.num_layers)]
+        )
         return k, v
 
     def nbytes(self) -> int:
@@ -227,9 +241,9 @@ class DecodeArena:
     def write(self, layer: int, slots: Tensor, rows: Tensor, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
         """Write one row per bound cache: k_pre/k_rot/v [n, kvh, d] into row ``rows[i]`` of slot
         ``slots[i]`` ([n] each), rounded as :meth:`KVCache.write` rounds."""
-        self.k_pre[layer][slots, :, rows] = k_pre.to(self.kv_dtype)
+        self.k_pre[layer][slots, :, rows] = cast(k_pre, self.kv_dtype)
         self.k_rot[layer][slots, :, rows] = k_rot.to(self.compute_dtype)
-        self.v[layer][slots, :, rows] = v.to(self.kv_dtype).to(self.compute_dtype)
+        self.v[layer][slots, :, rows] = cast(cast(v, self.kv_dtype), self.compute_dtype)
 
     def _views(self, slot: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         return tuple([buf[slot] for buf in bufs] for bufs in (self.k_pre, self.k_rot, self.v))  # type: ignore[return-value]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
-from semkv.models.cache import DecodeArena, KVCache
+from semkv.models.cache import DecodeArena, KVCache, cast
 from semkv.models.kernels import attention, batched_decode_attention, decode_products, in_order
 from semkv.models.precision import cast_model
 
@@ -200,7 +200,7 @@ class Runtime:
         rows = slice(start, start + positions.shape[0])
         tables = self._tables(positions.to(cache.device))
         for layer in range(self.num_layers):
-            kp = k_pre[layer].to(self.kv_dtype)
+            kp = cast(k_pre[layer], self.kv_dtype)
             cache.write(layer, rows, kp, apply_rope(kp.float(), *tables(layer)), v[layer])
         return start
 
@@ -209,7 +209,7 @@ class Runtime:
     ) -> Tensor:
         """Write fresh pre-RoPE keys / values [kvh, n, d] into ``rows``: keys rounded to the KV dtype and
         rotated from there, as :meth:`load_rows` does for reused ones. Returns the rounded keys."""
-        k_pre = k.to(self.kv_dtype)
+        k_pre = cast(k, self.kv_dtype)
         cache.write(layer, rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
         return k_pre
 
@@ -367,7 +367,7 @@ class Runtime:
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
             cos, sin = tables(layer)
             # RoPE is row-wise: rotate every row at once (keys rounded to the KV dtype first, as _write does)
-            k_pre = k.to(self.kv_dtype)
+            k_pre = cast(k, self.kv_dtype)
             k_rot = apply_rope(k_pre.float(), cos, sin)
             q_rot_all = self._queries(q, cos, sin)
             together = shared is not None and shared.covers(a.window(layer))

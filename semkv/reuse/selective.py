@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.adapters import apply_rope
-from semkv.models.cache import KVCache
+from semkv.models.cache import KVCache, cast
 from semkv.models.runtime import LayerInputs, RopeTables, Runtime, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
@@ -280,7 +280,7 @@ def forward_fixed_rows(
     for layer in range(last + 1):
         q, k, v = a.qkv(layer, hidden)
         cos, sin = (t[rows] for t in tables(layer))
-        k_pre = k.to(runtime.kv_dtype)
+        k_pre = cast(k, runtime.kv_dtype)
         cache.write(layer, cache_rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
         if probe is not None:
             inputs = LayerInputs(
