@@ -76,6 +76,32 @@ class LayerInputs:
     scaling: float
     window: int | None
 
+    @classmethod
+    def at(
+        cls,
+        adapter: LlamaFamilyAdapter,
+        cache: KVCache,
+        layer: int,
+        queries: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        q_pos: Tensor,
+        first_row: int,
+    ) -> LayerInputs:
+        """The inputs of ``layer`` for the active rows (``queries``, ``cos``, ``sin``, ``q_pos`` as above)
+        over every row of ``cache`` (its rotated keys at this layer and their positions)."""
+        return cls(
+            queries,
+            cos,
+            sin,
+            q_pos,
+            cache.keys(layer),
+            cache.valid_positions(),
+            first_row,
+            adapter.scaling(layer),
+            adapter.window(layer),
+        )
+
     def rotated_queries(self) -> Tensor:
         """[nh, A, d] the active rows' queries at their positions, in float32 (selectors score in fp32)."""
         return apply_rope(self.queries.float(), self.cos, self.sin)
@@ -260,17 +286,7 @@ class Runtime:
                 cached_k = cache.k_pre[layer][:, rows].float()
                 cached_v = cache.v[layer][:, rows].float()
                 k_pre = self._write(cache, layer, rows, k, v, cos, sin)
-                inputs = LayerInputs(
-                    q,
-                    cos,
-                    sin,
-                    q_pos,
-                    cache.keys(layer),
-                    cache.valid_positions(),
-                    start,
-                    a.scaling(layer),
-                    a.window(layer),
-                )
+                inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
                 keep = selector.select(layer, active, k_pre.float(), v.float(), cached_k, cached_v, inputs)
                 if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
                     raise RuntimeError("a recompute selector must keep the last row")

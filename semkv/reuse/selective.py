@@ -283,17 +283,7 @@ def forward_fixed_rows(
         k_pre = cast(k, runtime.kv_dtype)
         cache.write(layer, cache_rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
         if probe is not None:
-            inputs = LayerInputs(
-                q,
-                cos,
-                sin,
-                q_pos,
-                cache.keys(layer),
-                cache.valid_positions(),
-                start,
-                a.scaling(layer),
-                a.window(layer),
-            )
+            inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
             probe.observe(layer, rows, everything, inputs)
             if layer >= probe.last:
                 return None
