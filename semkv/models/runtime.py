@@ -134,7 +134,8 @@ class RopeTables:
 SHARED_BATCH_MIN = 2  # dense in-order sequences in a decode step for them to share one attention call
 # A dense sequence longer than this many times the median length of a step's dense sequences decodes on its
 # own: in the shared call every slot is read up to the longest member, so two 2.1K-token prompts among
-# fourteen of ~800 tokens made a step of 16 cost 70.8 ms instead of 55.7 ms (measured, bf16, 2 threads).
+# fourteen of ~800 tokens made a step of 16 cost 1.70x a step of 16 short ones; 1.25x with this rule
+# (measured, bf16, 2 threads).
 STRAGGLER_LENGTH = 2.0
 
 
