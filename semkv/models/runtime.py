@@ -17,7 +17,7 @@ scattered subset of queries never sees later keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -107,13 +107,28 @@ class LayerInputs:
         return apply_rope(self.queries.float(), self.cos, self.sin)
 
 
+class GatheredRows(NamedTuple):
+    """What a :class:`KeyGatherer` hands the runtime for one layer: keys and values [kvh, R, d] and their
+    positions [R]. ``mask_known``: ``bias`` is the mask the positions give for the new token —
+    additive [1, R] (0: seen, -inf: hidden), or None when every row is seen — so the runtime need not
+    build it from the positions."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    bias: Tensor | None = None
+    mask_known: bool = False
+
+
 class KeyGatherer(Protocol):
     """Supplies, per layer of a decode step, the keys to attend to (e.g. from a fast tier)."""
 
-    def gather(self, layer: int, q_rot: Tensor, cache: KVCache) -> tuple[Tensor, Tensor, Tensor] | None:
-        """q_rot: [nh, 1, d]. Return (keys [kvh, R, d] rotated, values [kvh, R, d], positions [R]),
-        the new token's own row included, or None for every row. Called after the new row is
-        written at this layer."""
+    def gather(
+        self, layer: int, q_rot: Tensor, cache: KVCache
+    ) -> GatheredRows | tuple[Tensor, Tensor, Tensor] | None:
+        """q_rot: [nh, 1, d]. Return :class:`GatheredRows` or a plain (keys [kvh, R, d] rotated, values
+        [kvh, R, d], positions [R]) triple, the new token's own row included, or None for every row.
+        Called after the new row is written at this layer."""
         ...
 
 
@@ -423,18 +438,20 @@ class Runtime:
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)
 
-    def _gathered_attention(self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: tuple) -> Tensor:
-        """Attention [1, nh * d] of one query [nh, 1, d] over the rows a sparse decoder gathered:
-        (keys, values, positions), or a :class:`~semkv.sparse.tier.GatheredRows` whose ``mask_known``
-        says its ``bias`` already is the mask the positions give: on CPU in bf16 / fp16 that goes straight
-        to :func:`~semkv.models.kernels.decode_products` (the same products as :func:`attention`, without
+    def _gathered_attention(
+        self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: GatheredRows | tuple[Tensor, Tensor, Tensor]
+    ) -> Tensor:
+        """Attention [1, nh * d] of one query [nh, 1, d] over the rows a sparse decoder gathered: a plain
+        (keys, values, positions) triple, or :class:`GatheredRows` whose ``mask_known`` says its ``bias``
+        already is the mask the positions give: on CPU in bf16 / fp16 that goes straight to
+        :func:`~semkv.models.kernels.decode_products` (the same products as :func:`attention`, without
         building and checking the mask at every layer)."""
         keys, values, key_pos = picked[0], picked[1], picked[2]
         scaling = self.adapter.scaling(layer)
         window = self.adapter.window(layer)
         fast = q_rot.device.type == "cpu" and q_rot.dtype in (torch.bfloat16, torch.float16)
-        if fast and window is None and len(picked) > 4 and picked[4]:
-            return decode_products(q_rot * scaling, keys, values, picked[3])
+        if fast and window is None and isinstance(picked, GatheredRows) and picked.mask_known:
+            return decode_products(q_rot * scaling, keys, values, picked.bias)
         return attention(q_rot, keys, values, q_pos, key_pos, scaling, window)
 
     def _shared_step(

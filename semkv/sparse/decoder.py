@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.runtime import GatheredRows
 from semkv.sparse.base import Budget, SparsePolicy, StepRecord, StepView, topk_blocks
 from semkv.sparse.index import BlockIndex, PrefillQueries
-from semkv.sparse.tier import HIDDEN, FastTier, GatheredRows
+from semkv.sparse.tier import HIDDEN, FastTier
 
 
 @dataclass

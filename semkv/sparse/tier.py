@@ -23,27 +23,13 @@ blocks, fewer operations than tensor bookkeeping.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.runtime import GatheredRows
 
 HIDDEN = 2**62  # position of rows attention must not see (later than any query)
-
-
-class GatheredRows(NamedTuple):
-    """What a sparse decoder hands the runtime for one layer: keys and values [kvh, R, d] and their
-    positions [R]. ``mask_known``: ``bias`` is the mask the positions give for the new token —
-    additive [1, R] (0: seen, -inf: hidden), or None when every row is seen — so the runtime need not
-    build it from the positions."""
-
-    keys: Tensor
-    values: Tensor
-    positions: Tensor
-    bias: Tensor | None = None
-    mask_known: bool = False
 
 
 class FastTier:
