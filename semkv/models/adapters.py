@@ -42,6 +42,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor, scratch: Tensor) -> Tensor:
+    """:func:`apply_rope` in place: ``x`` [heads, T, d] becomes ``x * cos + rotate_half(x) * sin`` (the same
+    operations, so the same bits), with ``scratch`` (x's shape and dtype) for ``rotate_half(x) * sin``.
+    For callers rotating many rows per layer into buffers they reuse. Returns ``x``."""
+    half = x.shape[-1] // 2
+    torch.neg(x[..., half:], out=scratch[..., :half])
+    scratch[..., half:] = x[..., :half]
+    scratch.mul_(sin)
+    return x.mul_(cos).add_(scratch)
+
+
 def _stack(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     """The weights [sum out, in] and biases (or None) of linear layers sharing their input, stacked."""
     weight = torch.cat([m.weight.detach() for m in modules])
