@@ -63,8 +63,8 @@ def exclusive(run: Callable) -> Callable:
 
     @functools.wraps(run)
     def locked(args) -> int:
-        if getattr(args, "no_lock", False):
-            return run(args)
+        if getattr(args, "no_lock", False) or getattr(args, "merge", None):
+            return run(args)  # --merge only summarises earlier runs: no model, no timing
         if getattr(args, "lock", "exclusive") == "shared":
             print(
                 "--lock shared: this run's timings are not valid (other work may run beside it)",

@@ -389,12 +389,13 @@ COLUMNS = [
 ]
 
 
-def summarise_all(variant: str, specs: list[RowSpec], results: dict[str, list[dict]]) -> list[dict]:
-    done = min(len(results[s.label]) for s in specs)
+def summarise_all(variant: str, labels: Sequence[str], results: dict[str, list[dict]]) -> list[dict]:
+    """One summary row per label (in order) over the cases every row has finished."""
+    done = min(len(results[label]) for label in labels)
     if done == 0:
         return []
     full = results["full prefill"][:done]
-    return [summarise(variant, s.label, results[s.label][:done], full) for s in specs]
+    return [summarise(variant, label, results[label][:done], full) for label in labels]
 
 
 def _per_question(results: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -402,6 +403,99 @@ def _per_question(results: dict[str, list[dict]]) -> dict[str, list[dict]]:
         label: [{k: v for k, v in r.items() if k != "logits"} for r in records]
         for label, records in results.items()
     }
+
+
+# -- merging runs split over processes ------------------------------------------------------------------
+
+
+@dataclass
+class MergedRuns:
+    """Per-question records of several ``blend.json`` files, concatenated per workload and row.
+
+    ``labels``: per workload, its rows in order (``"full prefill"`` first); ``timings_valid``: False when
+    any source ran without the exclusive lock (its TTFTs, and so the speed-ups, are not measurements)."""
+
+    results: dict[str, dict[str, list[dict]]]
+    labels: dict[str, list[str]]
+    sources: list[dict[str, Any]]
+    timings_valid: bool
+
+
+def merge_runs(paths: Sequence[Path]) -> MergedRuns:
+    """Concatenate the per-question records of ``blend.json`` files (e.g. ``--skip`` shards of one split).
+
+    Every file must have the same workloads, each with the same rows in the same order, and the same
+    workload settings apart from ``skip``; a question id may occur once per workload. ValueError otherwise.
+    """
+    if not paths:
+        raise ValueError("--merge needs at least one blend.json")
+    results: dict[str, dict[str, list[dict]]] = {}
+    labels: dict[str, list[str]] = {}
+    settings: list[dict[str, Any]] | None = None
+    sources, timings_valid = [], True
+    for path in paths:
+        payload = json.loads(Path(path).read_text())
+        if payload.get("suite") != "blend" or "per_question" not in payload:
+            raise ValueError(f"--merge: {path} is not a blend.json with per-question records")
+        config = payload["config"]
+        shard = [{k: v for k, v in w.items() if k != "skip"} for w in config.get("workloads", [])]
+        if settings is None:
+            settings = shard
+        elif shard != settings:
+            raise ValueError(
+                f"--merge: {path} has other workload settings ({shard}) than {paths[0]} ({settings})"
+            )
+        timings_valid &= config.get("lock", "exclusive") == "exclusive" and not config.get("no_lock", False)
+        sources.append({"path": str(path), "skip": config.get("skip"), "model": config.get("model")})
+        for workload, rows in payload["per_question"].items():
+            _merge_workload(path, workload, rows, results, labels)
+    return MergedRuns(results, labels, sources, timings_valid)
+
+
+def _merge_workload(
+    path: Path,
+    workload: str,
+    rows: dict[str, list[dict]],
+    results: dict[str, dict[str, list[dict]]],
+    labels: dict[str, list[str]],
+) -> None:
+    """Append one file's records of ``workload`` (rows cut to the questions every row finished)."""
+    order = list(rows)
+    if labels.setdefault(workload, order) != order:
+        raise ValueError(f"--merge: {path} has rows {order} for {workload!r}, expected {labels[workload]}")
+    if not order or order[0] != "full prefill":
+        raise ValueError(f"--merge: {path}: the first row of {workload!r} must be full prefill")
+    done = min(len(records) for records in rows.values())
+    merged = results.setdefault(workload, {label: [] for label in order})
+    seen = {r["id"] for r in merged["full prefill"]}
+    for record in rows["full prefill"][:done]:
+        if record["id"] in seen:
+            raise ValueError(f"--merge: question {record['id']} of {workload!r} occurs twice ({path})")
+    for label in order:
+        merged[label] += rows[label][:done]
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """``--merge``: the tables and plot of several runs' per-question records, as one run."""
+    merged = merge_runs([Path(p) for p in args.merge])
+    rows = [
+        row
+        for workload, labels in merged.labels.items()
+        for row in summarise_all(workload, labels, merged.results[workload])
+    ]
+    config = {"merge": merged.sources, "timings_valid": merged.timings_valid}
+    notes = _notes_for(next(iter(merged.labels)) if merged.labels else "")
+    if not merged.timings_valid:
+        notes = (
+            "**ttft_s / speedup are not measurements**: a merged run held the lock shared (quality only).\n\n"
+            + notes
+        )
+    out = Path(args.out)
+    write_results(out, "blend", rows, config, COLUMNS, extra={"per_question": merged.results}, notes=notes)
+    _plot(out, rows, list(merged.labels))
+    print(markdown_table(rows, COLUMNS))  # noqa: T201  (the command's output)
+    print(f"merged {len(args.merge)} runs into {out}/blend.json, blend.md and blend.png")  # noqa: T201
+    return 0
 
 
 # -- the command -----------------------------------------------------------------------------------------
@@ -436,15 +530,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation-ratio", type=float, default=0.15)
     parser.add_argument("--max-new-tokens", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="the cases' seed (hotpotqa: padding and order)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="BLEND_JSON",
+        help="only summarise these runs' blend.json files as one run (e.g. --skip shards); no model is loaded",
+    )
 
 
 def _notes(workloads: list[Workload]) -> str:
+    return _notes_for(workloads[0].name)
+
+
+def _notes_for(first_workload: str) -> str:
     return (
         "speedup = full-prefill TTFT median / row TTFT median (same run). em / f1: "
         + (
             "HotpotQA's official scoring of the extracted answer (leading answer cues, first line, first "
             "sentence, no parenthetical asides); em_raw / f1_raw: of the generation's first line as is; "
-            if workloads[0].name == "hotpotqa"
+            if first_workload == "hotpotqa"
             else ""
         )
         + "f1_diff = mean paired F1 difference to full prefill with its 95% interval [f1_low, f1_high], "
@@ -456,6 +561,8 @@ def _notes(workloads: list[Workload]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return run_merge(args)
     torch.set_num_threads(args.threads or 1)
     if args.questions < 1:
         raise ValueError("--questions must be >= 1")
@@ -471,6 +578,7 @@ def run(args: argparse.Namespace) -> int:
         workloads = essay_workloads(engine.tokenizer, args)
     base = engine.defaults.blend
     specs = main_rows(args, base)
+    labels = [s.label for s in specs]
     # the template is stored once as prefix blocks: prefix caching and blend load it
     engine.generate(messages=workloads[0].cases[0].messages, max_new_tokens=1)
     out = Path(args.out)
@@ -497,17 +605,17 @@ def run(args: argparse.Namespace) -> int:
             results: dict[str, list[dict]], workload: Workload = workload, done: list = rows
         ) -> None:
             per_question[workload.name] = _per_question(results)
-            write(done + summarise_all(workload.name, specs, results))
+            write(done + summarise_all(workload.name, labels, results))
 
         results = run_cases(engine, workload, workload.cases, specs, args.max_new_tokens, progress)
         per_question[workload.name] = _per_question(results)
-        rows += summarise_all(workload.name, specs, results)
+        rows += summarise_all(workload.name, labels, results)
         if index == 0 and args.ablation_questions > 0:
             sub = workload.cases[: args.ablation_questions]
             ab_specs = ablation_rows(base, args.ablation_ratio, engine.num_layers)
             ab = run_cases(engine, workload, sub, ab_specs, args.max_new_tokens)
             per_question[f"ablation {workload.name}"] = _per_question(ab)
-            rows += summarise_all(f"ablation {workload.name}", ab_specs, ab)
+            rows += summarise_all(f"ablation {workload.name}", [s.label for s in ab_specs], ab)
         write(rows)
     _plot(out, rows, [w.name for w in workloads])
     engine.close()
