@@ -190,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
         batching_row("one at a time (max running 1)", serial, serial_wall, None),
         batching_row(f"batched (max running {args.max_running})", batched, batched_wall, serial),
     ]
-    args.step_home = tempfile.mkdtemp(prefix="semkv-bench-steps-")
-    steps = decode_step_times(args, docs, requests[0][1])
+    with tempfile.TemporaryDirectory(prefix="semkv-bench-steps-") as step_home:
+        args.step_home = step_home
+        steps = decode_step_times(args, docs, requests[0][1])
     one, many = rows
     ratios = {
         "requests_per_s": many["requests_per_s"] / one["requests_per_s"],

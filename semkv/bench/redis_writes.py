@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
+            shutil.rmtree(cluster.workdir, ignore_errors=True)
     config = {
         "model": args.model,
         "kv_dtype": args.kv_dtype,

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -115,14 +116,16 @@ def percentile(values: list[float], q: float) -> float:
 def start_local_server(
     args: argparse.Namespace, *more: str, port: int | None = None, cpus: list[int] | None = None
 ) -> ServeProcess:
-    """``semkv serve`` with the bench's model flags and a fresh home (its own disk store)."""
+    """``semkv serve`` with the bench's model flags and a fresh home (its own disk store, deleted by
+    ``stop`` unless the server crashed)."""
     home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
     models_dir = args.models_dir or str(default_home() / "models")
     extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype]
     extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1), "--debug-stats"]
     if args.redis:
         extra += ["--redis", args.redis]
-    return ServeProcess(args.model, home, *extra, *more, port=args.port if port is None else port, cpus=cpus)
+    port = args.port if port is None else port
+    return ServeProcess(args.model, home, *extra, *more, port=port, cpus=cpus, remove_home=True)
 
 
 def load_tokenizer(args: argparse.Namespace):
@@ -412,6 +415,7 @@ def run_routed(args: argparse.Namespace) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
+            shutil.rmtree(cluster.workdir, ignore_errors=True)
     one = runs[1]["outcomes"]
     rows = []
     for n, run_ in runs.items():
