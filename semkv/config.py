@@ -141,8 +141,11 @@ class SchedulerConfig:
         runs in one piece, in a step of its own when it does not fit.
     chunked_prefill: split full prefills at the step's token budget (False: every prefill in one piece).
     max_waiting: requests queued before ``add_request`` refuses more (:class:`~semkv.scheduler.QueueFull`).
-    max_live_kv_bytes: live KV the running sequences may hold, each reserving its prompt +
-        ``max_new_tokens`` rows; admission waits while a request does not fit. None = unbounded.
+    max_live_kv_bytes: KV memory the live sequences may hold, as really allocated: the decode arena
+        (every slot, free or not, at its full capacity, padding included) plus the caches outside it
+        (each prompt + ``max_new_tokens`` rows). Admission waits while a request's cache does not fit
+        (one starting in a free arena slot adds nothing); the arena grows, or shrinks, only within it
+        (caches it has no room for decode on their own buffers). None = unbounded.
     """
 
     max_running: int = 8

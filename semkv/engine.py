@@ -247,7 +247,7 @@ class Engine:
                 layout=layout,
                 plan=plan,
                 refusals=refusals,
-                cache=self.runtime.new_cache(len(layout) + request.max_new_tokens),
+                cache=self.runtime.new_cache(len(layout) + request.max_new_tokens, claim_slot=True),
                 sparse=sparse,
                 kv_budget=kv_budget,
                 capture=capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries),
@@ -379,7 +379,10 @@ class Engine:
         with self._lock:
             start = time.perf_counter()
             logits = self.runtime.decode_batch(
-                [seq.cache for seq in seqs], [seq.tokens[-1] for seq in seqs], [seq.sparse for seq in seqs]
+                [seq.cache for seq in seqs],
+                [seq.tokens[-1] for seq in seqs],
+                [seq.sparse for seq in seqs],
+                kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
             for seq, row in zip(seqs, logits, strict=True):
                 seq.sample(row)
@@ -467,7 +470,7 @@ class Engine:
                 decoder.prefill = seq.prefill_queries
             generator = torch.Generator()
             generator.set_state(seq.generator.get_state())
-            cache = copy.deepcopy(seq.cache)
+            cache = self.runtime.track(copy.deepcopy(seq.cache))
             blocks = seq.blocks.copy(cache) if seq.blocks is not None else None
             if decoder is not None and blocks is not None:
                 decoder.attach(blocks)
@@ -522,10 +525,28 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def admission(self, request: GenerateRequest) -> Admission:
-        """What admitting ``request`` costs the scheduler: prompt tokens, and live-KV bytes for its prompt
-        + ``max_new_tokens`` rows. A ValueError if the prompt is empty or too long."""
+        """What admitting ``request`` costs the scheduler: prompt tokens, and its live cache's prompt +
+        ``max_new_tokens`` rows and their bytes. A ValueError if the prompt is empty or too long."""
         prompt = len(self.layout(request))
-        return Admission(prompt, (prompt + request.max_new_tokens) * self.runtime.kv_bytes_per_token())
+        rows = prompt + request.max_new_tokens
+        return Admission(prompt, rows * self.runtime.kv_bytes_per_token(), rows)
+
+    def live_kv_bytes(self) -> int:
+        """KV memory the runtime holds now (:meth:`Runtime.kv_held_bytes`): the decode arena, every slot
+        at its full capacity, free or not, plus the own buffers of live caches outside it (prefills that
+        found no free slot, sparse sequences, stragglers, caches the arena had no room for)."""
+        return self.runtime.kv_held_bytes()
+
+    def kv_bytes_to_admit(self, admissions: list[Admission]) -> int:
+        """What starting these requests adds to :meth:`live_kv_bytes`: a request whose cache starts in a
+        free arena slot (:meth:`begin_prefill` claims one) adds nothing, the others their own cache."""
+        return self.runtime.kv_bytes_to_claim([admission.kv_rows for admission in admissions])
+
+    def reclaim_kv(self) -> None:
+        """Drop a decode arena no sequence is bound to and shrink a mostly empty one (within the
+        scheduler's ``max_live_kv_bytes`` while it reallocates)."""
+        with self._lock:
+            self.runtime.trim_arena(self.scheduler.config.max_live_kv_bytes)
 
     def text_stream(self, request: GenerateRequest) -> TextStream:
         """A detokenizer for ``request``'s output, ending at its stop strings."""

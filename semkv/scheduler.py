@@ -5,19 +5,30 @@
 1. takes in the requests added and the aborts asked since the last step (both thread-safe: a server
    adds and aborts from its event loop while the engine thread steps), and ends requests past their
    deadline;
-2. continues the prefills in progress, then admits waiting requests in arrival order while the limits
-   allow (running sequences, tokens computed in the step, live-KV bytes) and starts theirs. A step
+2. gives back KV memory no live sequence uses (:meth:`StepRunner.reclaim_kv`), continues the prefills
+   in progress, then admits waiting requests in arrival order while the limits allow (running
+   sequences, tokens computed in the step, live-KV bytes: see below) and starts theirs. A step
    computes at most ``max_batched_tokens`` tokens (one per decoding sequence + prompt tokens): a long
    full prefill goes in chunks over several steps, so running streams wait at most one chunk; while
    requests wait, the prefills in progress take at most half of the budget, so an arrival starts
    during a long prefill rather than after it; a prefill that completes gives its request's first
    token in this step;
-3. decodes every sequence that was running before this step by one token, in one batched forward;
+3. decodes every sequence that was running before this step by one token, in one batched forward,
+   and gives back the KV memory of the sequences that finished;
 4. returns a :class:`StepOutput` for each request that produced text or finished.
 
 The model work goes through a :class:`StepRunner` (the engine: ``Engine.begin_prefill`` /
 ``advance_prefill`` / ``complete_prefill`` / ``decode_batch`` / ``store_prefill`` / ``finish``); the
 scheduler only decides what runs when, so its logic is tested without a model.
+
+Live KV (``max_live_kv_bytes``) is the memory the runner really holds for live sequences
+(:meth:`StepRunner.live_kv_bytes`: for the engine, its decode arena with free slots and padding, plus the
+caches outside it), not a sum of per-request reservations. A waiting request is admitted when that plus
+what starting it adds (:meth:`StepRunner.kv_bytes_to_admit`: nothing if its cache starts in a free arena
+slot, its own cache otherwise) stays within the limit; the runner keeps later growth (the arena's, when
+the request's cache joins it) within the limit itself. A request admitted but not started is counted once,
+by what it will add. When nothing else is live the head request is admitted if it fits the limit alone
+(memory held outside the scheduler is not waited for: no deadlock), and ended with a clear error if not.
 """
 
 from __future__ import annotations
@@ -80,11 +91,12 @@ J = TypeVar("J", bound=PrefillWork)
 
 @dataclass(frozen=True)
 class Admission:
-    """What admitting a request costs: its prompt tokens (computed in the admitting step) and the
-    live-KV bytes it reserves (prompt + max_new_tokens rows)."""
+    """What admitting a request costs: its prompt tokens (computed in the admitting step), the rows of its
+    live cache (prompt + max_new_tokens) and their bytes."""
 
     prompt_tokens: int
     kv_bytes: int
+    kv_rows: int
 
 
 class StepRunner(Protocol[S, J]):
@@ -123,6 +135,18 @@ class StepRunner(Protocol[S, J]):
         """A detokenizer with the request's stop strings."""
         ...
 
+    def live_kv_bytes(self) -> int:
+        """KV memory held now for live sequences and prefills."""
+        ...
+
+    def kv_bytes_to_admit(self, admissions: list[Admission]) -> int:
+        """How much :meth:`live_kv_bytes` grows when these requests start, in this order."""
+        ...
+
+    def reclaim_kv(self) -> None:
+        """Give back KV memory no live sequence uses."""
+        ...
+
 
 @dataclass
 class StepOutput:
@@ -153,6 +177,7 @@ class StepStats:
     prefill_tokens: int = 0
     step_s: float = 0.0
     prefilling: int = 0  # prefills still in progress after the step
+    live_kv_bytes: int = 0  # KV memory held after the step (StepRunner.live_kv_bytes)
 
 
 @dataclass(eq=False)
@@ -253,6 +278,7 @@ class Scheduler(Generic[S, J]):
         outputs: list[StepOutput] = []
         self._take_inbox(outputs)
         self._expire(outputs)
+        self.runner.reclaim_kv()
         decoding = list(self.running)  # decoded in this step; prefills completing now start the next one
         budget = self.config.max_batched_tokens - len(decoding)
         computed, completed = 0, 0
@@ -267,8 +293,14 @@ class Scheduler(Generic[S, J]):
         batch = [e for e in decoding if e in self.running]
         if batch:
             self._decode(batch, outputs)
+        self.runner.reclaim_kv()  # what the sequences that left held
         self.last_step = StepStats(
-            len(batch), completed, computed, self.clock() - start, len(self.prefilling)
+            len(batch),
+            completed,
+            computed,
+            self.clock() - start,
+            len(self.prefilling),
+            self.runner.live_kv_bytes(),
         )
         return outputs
 
@@ -284,11 +316,10 @@ class Scheduler(Generic[S, J]):
         return budget
 
     def _head_fits_kv(self) -> bool:
-        """Whether the first waiting request's live KV fits beside the running and prefilling ones
-        (admission goes in arrival order: if it does not fit, no request is admitted in this step). A
-        request that can never run (its admission raises) counts as fitting: ``_admit`` ends it."""
-        limit = self.config.max_live_kv_bytes
-        if limit is None:
+        """Whether the first waiting request's live KV fits beside what is held (admission goes in arrival
+        order: if it does not fit, no request is admitted in this step). A request that can never run (its
+        admission raises) counts as fitting: ``_admit`` ends it."""
+        if self.config.max_live_kv_bytes is None:
             return True
         entry = self.waiting[0]
         if entry.admission is None:
@@ -296,11 +327,12 @@ class Scheduler(Generic[S, J]):
                 entry.admission = self.runner.admission(entry.request)
             except ValueError:
                 return True
-        return self._live_kv_bytes() + entry.admission.kv_bytes <= limit
+        return self._kv_fits(self.runner.live_kv_bytes(), [entry.admission])
 
-    def _live_kv_bytes(self) -> int:
-        """Live KV reserved by the running and prefilling requests (prompt + max_new_tokens rows each)."""
-        return sum(e.admission.kv_bytes for e in (*self.running, *self.prefilling) if e.admission is not None)
+    def _kv_fits(self, held: int, admissions: list[Admission]) -> bool:
+        """Whether ``held`` bytes plus what starting ``admissions`` adds stays within max_live_kv_bytes."""
+        limit = self.config.max_live_kv_bytes
+        return limit is None or held + self.runner.kv_bytes_to_admit(admissions) <= limit
 
     def _take_inbox(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -338,10 +370,11 @@ class Scheduler(Generic[S, J]):
     def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> list[_Entry[S, J]]:
         """Waiting requests to start in this step, in arrival order (none skips the queue): while the
         step has token budget left (or computed nothing yet: a step always makes progress), the batch has
-        room and their reserved KV fits."""
+        room and their live KV fits (see the module docstring)."""
         cfg = self.config
         admitted: list[_Entry[S, J]] = []
-        live = self._live_kv_bytes()
+        starting: list[Admission] = []
+        held = self.runner.live_kv_bytes() if cfg.max_live_kv_bytes is not None else 0
         while self.waiting and self.num_running + len(admitted) < cfg.max_running:
             entry = self.waiting[0]
             if entry.admission is None:
@@ -355,19 +388,20 @@ class Scheduler(Generic[S, J]):
                 break
             if not cfg.chunked_prefill and need.prompt_tokens > budget and (computed or admitted):
                 break
-            if cfg.max_live_kv_bytes is not None and live + need.kv_bytes > cfg.max_live_kv_bytes:
+            if not self._kv_fits(held, [*starting, need]):
                 if self.running or self.prefilling or admitted:
                     break  # waits until running sequences free their KV
-                error = ValueError(
-                    f"request {entry.request_id} needs {need.kv_bytes} bytes of live KV (prompt + max_new_tokens);"
-                    f" max_live_kv_bytes is {cfg.max_live_kv_bytes}"
-                )
-                self._end(entry, "error", outputs, error)
-                continue
+                if cfg.max_live_kv_bytes is not None and need.kv_bytes > cfg.max_live_kv_bytes:
+                    error = ValueError(
+                        f"request {entry.request_id} needs {need.kv_bytes} bytes of live KV (prompt +"
+                        f" max_new_tokens); max_live_kv_bytes is {cfg.max_live_kv_bytes}"
+                    )
+                    self._end(entry, "error", outputs, error)
+                    continue
             self.waiting.popleft()
             admitted.append(entry)
+            starting.append(need)
             budget -= need.prompt_tokens
-            live += need.kv_bytes
         return admitted
 
     def _begin(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> bool:

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from semkv.config import SchedulerConfig
+from semkv.models.cache import ARENA_ROW_ALIGN
+from semkv.request import GenerateRequest
 from tests.conftest import tiny_hf_model
 
 PROMPT = "Tell me about the harbour, the boats and the fishermen who sail at dawn every day of the week."
@@ -192,6 +194,74 @@ def test_stop_string_in_generate_and_in_the_scheduler(make_tiny_engine):
         outputs += [o for o in engine.step() if o.request_id == rid]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].generation.text == cut
     assert "".join(o.text for o in outputs) == cut
+
+
+def _held_storage_bytes(engine) -> int:
+    """The oracle: bytes of the distinct storages behind the K/V buffers of the scheduler's live caches
+    and the runtime's decode arena."""
+    scheduler = engine.scheduler
+    caches = [e.seq.cache for e in scheduler.running] + [e.job.cache for e in scheduler.prefilling]
+    buffers = [buf for cache in caches for buf in (*cache.k_pre, *cache.k_rot, *cache.v)]
+    arena = engine.runtime.arena
+    if arena is not None:
+        buffers += [*arena.k_pre, *arena.k_rot, *arena.v]
+    storages = {buf.untyped_storage().data_ptr(): buf.untyped_storage().nbytes() for buf in buffers}
+    return sum(storages.values())
+
+
+def test_a_request_that_would_grow_the_arena_past_the_budget_waits_for_a_free_slot(
+    make_tiny_engine, tokenizer
+):
+    """max_live_kv_bytes fits two sequences' arena (2 slots) and the peak of moving them in, not a third
+    sequence's own cache beside it. A and B start; C arrives once they decode in the arena: it waits (no
+    crash, the long prefill rule aside), and starts in A's slot the step after A finishes, adding no
+    memory. At every step the held bytes the scheduler reports equal the storages really allocated and
+    stay within the budget; the tokens equal the requests served one at a time. (With per-request
+    reservations C fitted at once, and the arena doubled to 4 slots past the budget.)"""
+    serial_engine = wide_tiny_engine(make_tiny_engine, tokenizer)
+    engine = wide_tiny_engine(make_tiny_engine, tokenizer)
+    options = dict(stop_at_eos=False, reuse="none", store_prompt=False, use_chat_template=False)
+    specs = {"a": ("The boats leave at dawn.", 4), "b": ("The nets dry at noon.", 12)}
+    specs["c"] = ("The sails fold at dusk.", 12)
+    rows = {
+        n: engine.admission(GenerateRequest(prompt=p, max_new_tokens=m, **options)).kv_rows
+        for n, (p, m) in specs.items()
+    }
+    assert rows["a"] < rows["b"] == rows["c"], rows
+    row, layers = engine.runtime.kv_bytes_per_token(), engine.runtime.num_layers
+    slot = -(-rows["b"] // ARENA_ROW_ALIGN) * ARENA_ROW_ALIGN * row
+    own_ab = (rows["a"] + rows["b"]) * row
+    limit = 2 * slot + own_ab // layers  # moving A and B into a 2-slot arena peaks here
+    assert (rows["a"] + rows["b"] + rows["c"]) * row <= limit  # the old per-request reservations fit C
+    engine.scheduler.config = SchedulerConfig(max_running=8, max_live_kv_bytes=limit)
+    ids = {
+        n: engine.add_request(prompt=p, max_new_tokens=m, **options)
+        for n, (p, m) in specs.items()
+        if n != "c"
+    }
+    outputs: dict[str, list] = {}
+    first, last = {}, {}
+    for step in range(30):
+        if step == 2:
+            ids["c"] = engine.add_request(prompt=specs["c"][0], max_new_tokens=specs["c"][1], **options)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+            first.setdefault(out.request_id, step)
+            if out.finished:
+                last[out.request_id] = step
+        held = engine.scheduler.last_step.live_kv_bytes
+        assert held == _held_storage_bytes(engine) <= limit, step
+        if step in (1, 2, 3):
+            assert held == 2 * slot and len(engine.runtime.arena.slots) == 2, step
+        if step in (2, 3):
+            assert engine.scheduler.num_waiting == 1 and ids["c"] not in first  # C waits for a slot
+        if not engine.has_unfinished():
+            break
+    assert last[ids["a"]] == 3 and first[ids["c"]] == 4  # C starts the step after A finished
+    for n, (prompt, max_new) in specs.items():
+        want = serial_engine.generate(prompt, max_new_tokens=max_new, **options)
+        assert outputs[ids[n]][-1].generation.token_ids == want.token_ids, n
+    assert engine.scheduler.last_step.live_kv_bytes == 0 and engine.runtime.arena is None  # all given back
 
 
 @pytest.mark.real_model

@@ -12,6 +12,7 @@ twice.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
@@ -57,18 +58,33 @@ class RuleJob:
 
 @dataclass
 class RuleRunner:
-    """A StepRunner whose forward pass is :func:`next_token`; it records what each step ran."""
+    """A StepRunner whose forward pass is :func:`next_token`; it records what each step ran. Its live KV
+    is what its jobs and sequences still alive were admitted with (their own caches, no arena)."""
 
     prefills: list[str] = field(default_factory=list)  # prompts, in order of prefill completion
     chunks: list[tuple[str, int]] = field(default_factory=list)  # (prompt, tokens) of each prefill piece
     batches: list[list[str]] = field(default_factory=list)  # prompts of each decode_batch call
     fail_prefill: str | None = None
+    live: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (job or sequence, its KV bytes)
 
     def admission(self, request: GenerateRequest) -> Admission:
         words = len((request.prompt or "").split())
         if words == 0:
             raise ValueError("prompt is empty after tokenization")
-        return Admission(words, (words + request.max_new_tokens) * BYTES_PER_TOKEN)
+        rows = words + request.max_new_tokens
+        return Admission(words, rows * BYTES_PER_TOKEN, rows)
+
+    def live_kv_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.live if ref() is not None)
+
+    def kv_bytes_to_admit(self, admissions: list[Admission]) -> int:
+        return sum(a.kv_bytes for a in admissions)
+
+    def reclaim_kv(self) -> None:
+        self.live = [(ref, nbytes) for ref, nbytes in self.live if ref() is not None]
+
+    def _hold(self, owner: object, request: GenerateRequest) -> None:
+        self.live.append((weakref.ref(owner), self.admission(request).kv_bytes))
 
     def _sample(self, seq: Sequence) -> None:
         logits = torch.zeros(VOCAB)
@@ -78,9 +94,9 @@ class RuleRunner:
     def begin_prefill(self, request: GenerateRequest) -> RuleJob:
         if request.prompt == self.fail_prefill:
             raise RuntimeError("injected prefill failure")
-        return RuleJob(
-            request, len(str(request.prompt).split()), chunkable="whole" not in str(request.prompt)
-        )
+        job = RuleJob(request, len(str(request.prompt).split()), chunkable="whole" not in str(request.prompt))
+        self._hold(job, request)
+        return job
 
     def advance_prefill(self, job: RuleJob, max_tokens: int | None = None) -> int:
         take = job.remaining if max_tokens is None else min(job.remaining, max_tokens)
@@ -95,6 +111,7 @@ class RuleRunner:
             job.request, None, None, None, [], None, None, None, torch.Generator(), frozenset({EOS}), 0.1
         )  # type: ignore[arg-type]  # the fields a model fills are not read here
         self._sample(seq)
+        self._hold(seq, job.request)
         return seq
 
     def store_prefill(self, seq: Sequence) -> float:

@@ -9,6 +9,10 @@ positions, never from row order.
 :class:`DecodeArena` holds the buffers of caches decoding together: their per-layer buffers become views
 of one [slots, kvh, capacity, d] tensor per layer, so a batched decode step writes and attends over all
 of them with one operator each instead of one per sequence.
+
+KV memory held (what the scheduler's live-KV budget counts): an arena holds ``len(slots) * capacity *
+row_bytes`` bytes, free slots and the padding of short caches included; a cache holds
+``capacity * row_bytes`` bytes of its own while it is not bound to an arena, and none while it is.
 """
 
 from __future__ import annotations
@@ -63,7 +67,19 @@ class KVCache:
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.token_ids: list[int] = []
         self.query_observer: QueryObserver | None = None  # set while a prefill's queries are captured
+        self.in_arena = False  # the buffers are views of a DecodeArena slot (see adopt)
         self.reserve(max(capacity, 1))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row takes over every layer: pre-RoPE K in the KV dtype, rotated K and V in the compute
+        dtype."""
+        return row_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.compute_dtype)
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers this cache holds on its own: ``capacity`` rows, or 0 while they are views of
+        a :class:`DecodeArena` slot (the arena counts them). The positions and token ids are not KV."""
+        return 0 if self.in_arena else self.capacity * self.row_bytes
 
     # -- capacity ----------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
@@ -89,6 +105,7 @@ class KVCache:
         positions[: self.length] = self.positions[: self.length]
         self.positions = positions
         self.capacity = new_cap
+        self.in_arena = False
 
     def append_rows(self, positions: Tensor, token_ids: list[int]) -> int:
         """Claim ``len(positions)`` new rows at the end; returns the first new row index."""
@@ -100,15 +117,29 @@ class KVCache:
         self.length = start + count
         return start
 
-    def adopt(self, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor]) -> None:
-        """Move to the given per-layer buffers [kvh, >= capacity, d] (views of a :class:`DecodeArena`):
-        the valid rows are copied there and the old buffers dropped."""
+    def adopt(self, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor], capacity: int = 0) -> None:
+        """Move to the given per-layer buffers [kvh, >= capacity, d] (views of a :class:`DecodeArena` slot):
+        the valid rows are copied there and the old buffers dropped. ``capacity``: rows the cache may use
+        from then on, if more than it has (at most the buffers' rows)."""
+        rows = k_pre[0].shape[1]
+        if capacity > rows:
+            raise ValueError(f"adopt capacity {capacity} exceeds the buffers' {rows} rows")
+        if capacity > self.capacity:
+            positions = torch.empty(capacity, dtype=torch.long, device=self.device)
+            positions[: self.length] = self.positions[: self.length]
+            self.positions, self.capacity = positions, capacity
         for layer in range(self.num_layers):
-            for new, old in ((k_pre, self.k_pre), (k_rot, self.k_rot), (v, self.v)):
-                if new[layer].shape[1] < self.capacity or new[layer].dtype != old[layer].dtype:
-                    raise ValueError(f"adopt needs {old[layer].dtype} buffers of >= {self.capacity} rows")
-                new[layer][:, : self.length] = old[layer][:, : self.length]
-        self.k_pre, self.k_rot, self.v = list(k_pre), list(k_rot), list(v)
+            self.adopt_layer(layer, k_pre[layer], k_rot[layer], v[layer])
+
+    def adopt_layer(self, layer: int, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
+        """Move ``layer`` to the given buffers [kvh, >= capacity, d] (its valid rows are copied there); the
+        old ones are dropped, so an arena reallocated layer by layer frees each old layer as it goes."""
+        for new, old in ((k_pre, self.k_pre), (k_rot, self.k_rot), (v, self.v)):
+            if new.shape[1] < self.capacity or new.dtype != old[layer].dtype:
+                raise ValueError(f"adopt needs {old[layer].dtype} buffers of >= {self.capacity} rows")
+            new[:, : self.length] = old[layer][:, : self.length]
+        self.k_pre[layer], self.k_rot[layer], self.v[layer] = k_pre, k_rot, v
+        self.in_arena = True  # once every layer has moved (a reallocation moves one layer at a time)
 
     def __deepcopy__(self, memo: dict[int, object]) -> KVCache:
         """An independent cache; buffers that are views of a shared arena are copied alone, not the arena."""
@@ -116,7 +147,9 @@ class KVCache:
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
             if name in ("k_pre", "k_rot", "v"):
-                value = [buf.clone() for buf in value]
+                value = [buf[:, : self.capacity].clone() for buf in value]  # an arena slot may be longer
+            elif name == "in_arena":
+                value = False
             else:
                 value = copy.deepcopy(value, memo)
             setattr(clone, name, value)
@@ -165,7 +198,18 @@ class KVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.length * self.head_dim * elem
 
 
+def row_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, compute_dtype: torch.dtype
+) -> int:
+    """Bytes one token row takes in a live cache over every layer (pre-RoPE K in the KV dtype, rotated K
+    and V in the compute dtype)."""
+    kv = torch.empty((), dtype=kv_dtype).element_size()
+    compute = torch.empty((), dtype=compute_dtype).element_size()
+    return num_layers * num_kv_heads * head_dim * (kv + 2 * compute)
+
+
 ARENA_ROW_ALIGN = 16  # arena capacity is rounded up to this many rows (attention may read them all)
+SHRINK_BELOW = 4  # an arena shrinks when at most 1 / SHRINK_BELOW of its slots are bound
 
 
 class DecodeArena:
@@ -179,18 +223,40 @@ class DecodeArena:
     owner of its rows: everything else reads and writes it as before. It stays bound while its buffers
     are these views; :meth:`KVCache.reserve` beyond them gives it buffers of its own (it leaves), and a
     slot is free once its cache is gone (garbage collected) or has left.
+
+    Memory: the arena holds :meth:`nbytes` (every slot, free or not, at the full capacity). It grows when
+    caches bind and slots or capacity run short (slots doubled, or just enough when a doubling would pass
+    ``max_growth``; see :meth:`bind`), never beyond what the caller allows, and shrinks when few slots stay
+    bound (:meth:`shrink`). A reallocation goes layer by layer, so beside the larger of the old and new
+    buffers it holds one layer of the other (:meth:`reallocation_peak`), not both whole.
     """
 
     def __init__(self, like: KVCache) -> None:
         """An empty arena for caches laid out as ``like`` (layers, heads, head dim, dtypes, device)."""
         self.layout = (like.num_layers, like.num_kv_heads, like.head_dim, like.kv_dtype, like.compute_dtype)
         self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.compute_dtype = self.layout
+        self.row_bytes = row_bytes(*self.layout)
         self.device = like.device
         self.capacity = 0
         self.slots: list[weakref.ref[KVCache] | None] = []
         self.k_pre: list[Tensor] = []
         self.k_rot: list[Tensor] = []
         self.v: list[Tensor] = []
+
+    def nbytes(self, slots: int | None = None, capacity: int | None = None) -> int:
+        """Bytes the buffers hold (free slots and padding rows included); with ``slots`` / ``capacity``:
+        what they would hold at that size."""
+        slots = len(self.slots) if slots is None else slots
+        capacity = self.capacity if capacity is None else capacity
+        return slots * capacity * self.row_bytes
+
+    def reallocation_peak(self, slots: int, capacity: int, joining: int = 0) -> int:
+        """The most bytes held, by the arena and the own buffers (``joining`` bytes) of caches moving in,
+        while reallocating to ``slots`` x ``capacity`` rows (aligned): layer by layer, each old layer (and
+        the joining caches' layer) is freed once the new one is filled, so the peak is the larger of before
+        (old + joining) and after (new) plus one layer of the smaller."""
+        before, after = self.nbytes() + joining, self.nbytes(slots, _aligned(capacity))
+        return max(before, after) + min(before, after) // self.num_layers
 
     def bound(self, slot: int) -> KVCache | None:
         """The cache bound to ``slot``, or None if the slot is free."""
@@ -204,39 +270,88 @@ class DecodeArena:
         """Number of slots with a bound cache."""
         return sum(self.bound(slot) is not None for slot in range(len(self.slots)))
 
-    def bind(self, caches: list[KVCache]) -> list[int]:
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
+
+    def bind(self, caches: list[KVCache], max_growth: int | None = None) -> list[int | None]:
         """The slots of ``caches``, binding those not bound yet (their valid rows are copied into free
-        slots; the arena grows, keeping its bound caches, when slots or capacity run short)."""
+        slots). When slots or capacity run short the arena grows, keeping its bound caches: to twice the
+        slots, or to just the slots needed when the doubling's :meth:`reallocation_peak` would exceed the
+        bytes held before (arena and joining caches) by more than ``max_growth`` (None: no limit). When that
+        too would, the widest of the joining caches give up their place until the rest fit; those left out
+        stay unbound (None in the result) and decode on their own buffers."""
         where = {
             id(cache): slot for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None
         }
         new = [cache for cache in caches if id(cache) not in where]
         for cache in new:
-            layout = (
-                cache.num_layers,
-                cache.num_kv_heads,
-                cache.head_dim,
-                cache.kv_dtype,
-                cache.compute_dtype,
-            )
-            if layout != self.layout or cache.device != self.device:
-                raise ValueError(
-                    f"cache layout {layout} on {cache.device} differs from the arena's {self.layout}"
-                )
-        if new:
-            free = [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
-            capacity = max(cache.capacity for cache in new)
-            if len(free) < len(new) or capacity > self.capacity:
-                short = len(free) < len(new)
-                self._grow(
-                    max(len(where) + len(new), 2 * len(self.slots)) if short else len(self.slots), capacity
-                )
-                free = [slot for slot in range(len(self.slots)) if self.bound(slot) is None]
-            for cache, slot in zip(new, free, strict=False):
+            self._check_layout(cache)
+        if not new:
+            return [where[id(cache)] for cache in caches]
+        narrowest = sorted(new, key=lambda cache: cache.capacity)
+        for group in [new] + [narrowest[:count] for count in range(len(new) - 1, 0, -1)]:
+            if self._join(group, len(where), max_growth):
+                break
+        where = {
+            id(cache): slot for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None
+        }
+        return [where.get(id(cache)) for cache in caches]
+
+    def _join(self, new: list[KVCache], bound: int, max_growth: int | None) -> bool:
+        """Bind ``new`` (none bound yet; ``bound`` slots taken), growing within ``max_growth`` if needed;
+        False, changing nothing, if that would pass it."""
+        needed = bound + len(new)  # more than len(self.slots) iff free slots run short
+        if needed <= len(self.slots) and max(cache.capacity for cache in new) <= self.capacity:
+            for cache, slot in zip(new, self.free_slots(), strict=False):
                 cache.adopt(*self._views(slot))
                 self.slots[slot] = weakref.ref(cache)
-                where[id(cache)] = slot
-        return [where[id(cache)] for cache in caches]
+            return True
+        doubled = max(needed, 2 * len(self.slots)) if needed > len(self.slots) else len(self.slots)
+        capacity = self._widest(new)
+        joining = sum(cache.held_bytes() for cache in new)
+        for slots in dict.fromkeys((doubled, max(needed, len(self.slots)))):
+            peak = self.reallocation_peak(slots, capacity, joining)
+            if max_growth is None or peak - self.nbytes() - joining <= max_growth:
+                self._reallocate(slots, capacity, joining=new)
+                return True
+        return False
+
+    def claim(self, cache: KVCache, capacity: int) -> bool:
+        """Bind a new (empty) cache to a free slot at least ``capacity`` rows wide, without growing, and
+        let it use that many rows; False (the cache keeps its own buffers) if there is none. A cache made
+        this way holds no memory of its own: a request started in a free slot costs no KV bytes beyond
+        the arena's."""
+        self._check_layout(cache)
+        free = self.free_slots()
+        if capacity > self.capacity or not free:
+            return False
+        cache.adopt(*self._views(free[0]), capacity=capacity)
+        self.slots[free[0]] = weakref.ref(cache)
+        return True
+
+    def claimable(self, capacities: list[int]) -> list[bool]:
+        """Whether caches of these capacities, made in this order, would each :meth:`claim` a slot."""
+        free = len(self.free_slots())
+        fits = []
+        for capacity in capacities:
+            ok = free > 0 and capacity <= self.capacity
+            free -= ok
+            fits.append(ok)
+        return fits
+
+    def shrink(self, max_growth: int | None = None) -> bool:
+        """Reallocate to the bound caches only (capacity their widest) when at most ``1 / SHRINK_BELOW`` of
+        the slots are bound, so the memory of sequences that left goes back instead of waiting for the
+        arena to empty; not if the :meth:`reallocation_peak` would exceed the current bytes by more than
+        ``max_growth`` (None: no limit). True if it did."""
+        bound = self.occupied()
+        if not bound or SHRINK_BELOW * bound > len(self.slots):
+            return False
+        capacity = self._widest([])
+        if max_growth is not None and self.reallocation_peak(bound, capacity) - self.nbytes() > max_growth:
+            return False
+        self._reallocate(bound, capacity)
+        return True
 
     def write(self, layer: int, slots: Tensor, rows: Tensor, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
         """Write one row per bound cache: k_pre/k_rot/v [n, kvh, d] into row ``rows[i]`` of slot
@@ -245,30 +360,45 @@ class DecodeArena:
         self.k_rot[layer][slots, :, rows] = k_rot.to(self.compute_dtype)
         self.v[layer][slots, :, rows] = cast(cast(v, self.kv_dtype), self.compute_dtype)
 
+    def _check_layout(self, cache: KVCache) -> None:
+        layout = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.kv_dtype, cache.compute_dtype)
+        if layout != self.layout or cache.device != self.device:
+            raise ValueError(
+                f"cache layout {layout} on {cache.device} differs from the arena's {self.layout}"
+            )
+
     def _views(self, slot: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         return tuple([buf[slot] for buf in bufs] for bufs in (self.k_pre, self.k_rot, self.v))  # type: ignore[return-value]
 
-    def _grow(self, slots: int, capacity: int) -> None:
-        """Reallocate to at least ``slots`` slots of ``capacity`` rows; bound caches move along (same slot).
-        Zero-filled, so the rows past a cache's length are finite (masked scores times zero stay zero)."""
-        bound = [(slot, cache) for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
-        if bound:
-            slots = max(slots, max(slot for slot, _ in bound) + 1)
-            capacity = max(capacity, self.capacity)
-        capacity = -(-capacity // ARENA_ROW_ALIGN) * ARENA_ROW_ALIGN
+    def _widest(self, joining: list[KVCache]) -> int:
+        """The capacity (aligned) of the bound caches and ``joining``: what a reallocation allocates."""
+        caches = [cache for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
+        return _aligned(max(cache.capacity for cache in caches + joining))
+
+    def _reallocate(self, slots: int, capacity: int, joining: list[KVCache] | None = None) -> None:
+        """Reallocate to ``slots`` slots of ``capacity`` rows, layer by layer: the bound caches, then the
+        ``joining`` ones, move to the first slots (in slot order), each layer's old buffers freed as it
+        goes. Zero-filled, so the rows past a cache's length are finite (masked scores times zero stay
+        zero)."""
+        bound = [cache for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
+        placed = list(enumerate(bound + (joining or [])))
+        if len(placed) > slots or any(cache.capacity > capacity for _, cache in placed):
+            raise ValueError(f"{len(placed)} caches do not fit {slots} slots of {capacity} rows")
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
-
-        def fresh(dtype: torch.dtype) -> list[Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-
-        self.k_pre, self.k_rot, self.v = [], [], []  # bound caches keep the old buffers alive until they move
-        self.k_pre, self.k_rot, self.v = (
-            fresh(self.kv_dtype),
-            fresh(self.compute_dtype),
-            fresh(self.compute_dtype),
-        )
+        dtypes = (self.kv_dtype, self.compute_dtype, self.compute_dtype)
+        if not self.k_pre:
+            self.k_pre, self.k_rot, self.v = ([None] * self.num_layers for _ in dtypes)  # type: ignore[misc]
+        for layer in range(self.num_layers):
+            with torch.inference_mode(False):  # normal tensors: a cache may be prefilled in its slot later
+                fresh = [torch.zeros(shape, dtype=dtype, device=self.device) for dtype in dtypes]
+            for slot, cache in placed:
+                cache.adopt_layer(layer, fresh[0][slot], fresh[1][slot], fresh[2][slot])
+            self.k_pre[layer], self.k_rot[layer], self.v[layer] = fresh  # the old layer is freed here
         self.capacity = capacity
         self.slots = [None] * slots
-        for slot, cache in bound:
-            cache.adopt(*self._views(slot))
+        for slot, cache in placed:
             self.slots[slot] = weakref.ref(cache)
+
+
+def _aligned(capacity: int) -> int:
+    return -(-capacity // ARENA_ROW_ALIGN) * ARENA_ROW_ALIGN

@@ -16,6 +16,7 @@ scattered subset of queries never sees later keys.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
-from semkv.models.cache import DecodeArena, KVCache, cast
+from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
 from semkv.models.kernels import attention, batched_decode_attention, decode_products, in_order
 from semkv.models.precision import cast_model
 
@@ -190,6 +191,10 @@ class Runtime:
     the runtime runs a private copy cast to it (:func:`~semkv.models.precision.cast_model`); the
     adapter it was given, and its model, stay as they are. The residual stream, norms and RoPE run in
     float32 either way; the live cache holds rotated keys and values in the compute dtype.
+
+    KV memory: the runtime keeps a weak reference to every cache it made (:meth:`new_cache`,
+    :meth:`track`), so :meth:`kv_held_bytes` counts what is really held: the decode arena's buffers
+    (free slots and padding included) plus the own buffers of live caches outside it.
     """
 
     def __init__(
@@ -205,16 +210,64 @@ class Runtime:
         self.compute_dtype = compute_dtype
         self.device = next(adapter.hf_model.parameters()).device
         self.arena: DecodeArena | None = None  # slots of the caches decoding together (decode_batch)
+        self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live caches made here
+
+    def track(self, cache: KVCache) -> KVCache:
+        """Count ``cache`` (made elsewhere, e.g. a deep copy) in :meth:`kv_held_bytes`; returns it."""
+        self.caches.add(cache)
+        return cache
+
+    def kv_held_bytes(self) -> int:
+        """KV bytes held now: the decode arena's buffers (every slot, free or not, at its full capacity)
+        plus the own buffers of the live caches not bound to it."""
+        arena = self.arena.nbytes() if self.arena is not None else 0
+        return arena + sum(cache.held_bytes() for cache in list(self.caches))
+
+    def kv_bytes_to_claim(self, capacities: list[int]) -> int:
+        """How much :meth:`kv_held_bytes` grows if caches of these capacities are made now, in this order,
+        with ``claim_slot``: nothing for those that find a free arena slot wide enough, their own buffers
+        for the others."""
+        fits = self.arena.claimable(capacities) if self.arena is not None else [False] * len(capacities)
+        per_row = self.kv_bytes_per_token()
+        return sum(
+            max(capacity, 1) * per_row for capacity, ok in zip(capacities, fits, strict=True) if not ok
+        )
+
+    def trim_arena(self, kv_limit: int | None = None) -> None:
+        """Give back arena memory no cache uses: drop an arena with no bound cache; shrink one with few
+        (:meth:`DecodeArena.shrink`) unless the reallocation's peak would pass ``kv_limit``."""
+        arena = self.arena
+        if arena is None:
+            return
+        if not arena.occupied():
+            self.arena = None
+            return
+        arena.shrink(None if kv_limit is None else kv_limit - self.kv_held_bytes())
 
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, claim_slot: bool = False) -> KVCache:
+        """An empty cache for ``capacity`` rows. ``claim_slot``: in a free decode-arena slot wide enough, if
+        there is one (no memory of its own; see :meth:`DecodeArena.claim`), else with its own buffers."""
         a = self.adapter
-        return KVCache(
-            a.num_layers, a.num_kv_heads, a.head_dim, capacity, self.kv_dtype, self.compute_dtype, self.device
-        )
+        if claim_slot and self.arena is not None and self.arena.claimable([capacity])[0]:
+            cache = KVCache(
+                a.num_layers, a.num_kv_heads, a.head_dim, 1, self.kv_dtype, self.compute_dtype, self.device
+            )
+            self.arena.claim(cache, capacity)
+        else:
+            cache = KVCache(
+                a.num_layers,
+                a.num_kv_heads,
+                a.head_dim,
+                capacity,
+                self.kv_dtype,
+                self.compute_dtype,
+                self.device,
+            )
+        return self.track(cache)
 
     def _tables(self, positions: Tensor) -> RopeTables:
         """Float32 rotary tables of ``positions``: RoPE is applied in fp32 and rounded once."""
@@ -366,9 +419,11 @@ class Runtime:
         caches: list[KVCache],
         token_ids: list[int],
         gatherers: list[KeyGatherer | None] | None = None,
+        kv_limit: int | None = None,
     ) -> Tensor:
         """One decode step of B sequences: append ``token_ids[i]`` to ``caches[i]`` at its next position;
-        return the logits [B, V].
+        return the logits [B, V]. ``kv_limit``: the decode arena never grows past it (see
+        :meth:`_shared_step`).
 
         Norms, projections, MLP and lm_head run once over the B stacked rows; RoPE, the cache write and
         attention run per sequence, over its own cache and with its own ``gatherers[i]`` (None: every
@@ -393,7 +448,7 @@ class Runtime:
         tables = self._tables(positions)
         k_pos = [cache.valid_positions() for cache in caches]
         ordered = [in_order(p) for p in k_pos]  # once per step, not per layer
-        shared = self._shared_step(caches, slots, gatherers, ordered)
+        shared = self._shared_step(caches, slots, gatherers, ordered, kv_limit)
         members = set(shared.members.tolist()) if shared is not None else set()
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
@@ -460,19 +515,29 @@ class Runtime:
         rows: list[int],
         gatherers: list[KeyGatherer | None],
         ordered: list[bool],
+        kv_limit: int | None = None,
     ) -> SharedStep | None:
         """Bind the step's dense (no gatherer), in-order caches to arena slots, if there are at least
         :data:`SHARED_BATCH_MIN` of them; the others (and stragglers, see :data:`STRAGGLER_LENGTH`) take
-        the per-sequence path. Drops an arena no cache is bound to any more."""
+        the per-sequence path. The arena grows only while :meth:`kv_held_bytes` stays within ``kv_limit``
+        (None: no limit); caches it has no room for take the per-sequence path on their own buffers
+        until a slot frees. Drops an arena no cache is bound to any more."""
         members = [i for i, (g, o) in enumerate(zip(gatherers, ordered, strict=True)) if g is None and o]
         members = _without_stragglers([caches[i].length for i in members], members)
         if len(members) < SHARED_BATCH_MIN:
             if self.arena is not None and not self.arena.occupied():
                 self.arena = None
             return None
+        max_growth = None if kv_limit is None else kv_limit - self.kv_held_bytes()
         if self.arena is None:
             self.arena = DecodeArena(caches[members[0]])
-        slots = self.arena.bind([caches[i] for i in members])
+        placed = self.arena.bind([caches[i] for i in members], max_growth)
+        members = [i for i, slot in zip(members, placed, strict=True) if slot is not None]
+        if len(members) < SHARED_BATCH_MIN:
+            if not self.arena.occupied():
+                self.arena = None
+            return None
+        slots = [slot for slot in placed if slot is not None]
         lo, hi = min(slots), max(slots) + 1
         lengths = [caches[i].length for i in members]
         longest = max(lengths)
@@ -547,9 +612,7 @@ class Runtime:
         """Bytes one token's row takes in a live cache (pre-RoPE K in the KV dtype, rotated K and V in the
         compute dtype, every layer)."""
         a = self.adapter
-        kv = torch.empty((), dtype=self.kv_dtype).element_size()
-        compute = torch.empty((), dtype=self.compute_dtype).element_size()
-        return a.num_layers * a.num_kv_heads * a.head_dim * (kv + 2 * compute)
+        return row_bytes(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.compute_dtype)
 
 
 def _without_stragglers(lengths: list[int], members: list[int]) -> list[int]:

@@ -113,6 +113,12 @@ class ServerMetrics:
         self.queue_depth = Gauge("semkv_queue_depth", "requests waiting or running", registry=r)
         self.running = Gauge("semkv_running_sequences", "sequences in the running batch", registry=r)
         self.waiting = Gauge("semkv_waiting_sequences", "requests waiting for admission", registry=r)
+        self.live_kv = Gauge(
+            "semkv_live_kv_bytes",
+            "KV memory held for live sequences after the last step (decode arena with its free slots and"
+            " padding, plus caches outside it); the scheduler keeps it within max_live_kv_bytes",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "semkv_step_batch_size",
             "sequences decoded together in one engine step",
@@ -158,6 +164,7 @@ class ServerMetrics:
         self.step_prefills.inc(stats.prefilled)
         self.running.set(running)
         self.waiting.set(waiting)
+        self.live_kv.set(stats.live_kv_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -164,3 +164,118 @@ def test_deep_copy_of_a_bound_cache_owns_its_rows(tokenizer):
         torch.testing.assert_close(clone.keys(layer), caches[0].keys(layer), atol=0, rtol=0)
     clone.k_rot[0].zero_()
     assert bool(caches[0].keys(0).abs().sum() > 0)
+
+
+# -- KV memory held (what the scheduler's live-KV budget counts) ------------------------------------------
+def _storage_bytes(runtime: Runtime, caches: list[KVCache]) -> int:
+    """The oracle: bytes of the distinct storages behind the caches' K/V buffers and the arena's."""
+    buffers = [buf for cache in caches for buf in (*cache.k_pre, *cache.k_rot, *cache.v)]
+    if runtime.arena is not None:
+        buffers += [*runtime.arena.k_pre, *runtime.arena.k_rot, *runtime.arena.v]
+    storages = {buf.untyped_storage().data_ptr(): buf.untyped_storage().nbytes() for buf in buffers}
+    return sum(storages.values())
+
+
+def _decode_pairs(
+    runtime: Runtime, pairs: dict, tokens: dict, order: list, kv_limit: int | None = None
+) -> None:
+    """One batched step of ``pairs[n][0]`` for n in ``order`` against single steps of their twins."""
+    batch = [pairs[n][0] for n in order]
+    got = runtime.decode_batch(batch, [tokens[n] for n in order], kv_limit=kv_limit)
+    want = torch.stack([runtime.decode(pairs[n][1], tokens[n]) for n in order])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    tokens.update(zip(order, want.argmax(-1).tolist(), strict=True))
+
+
+def test_held_bytes_count_the_arena_with_its_free_slots_and_padding(tokenizer):
+    """kv_held_bytes equals the bytes of the distinct storages really allocated at every point: own caches
+    before they bind; after binding the arena only (slots x aligned capacity, padding included); after a
+    slot doubling the doubled arena, free slots included; a free slot stays counted after its cache left;
+    a cache made with claim_slot starts in that free slot (no new memory) and prefills there exactly."""
+    runtime = _runtime("llama", len(tokenizer))
+    vocab, row = len(tokenizer), runtime.kv_bytes_per_token()
+    pairs = {n: _twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (9, 20, 14, 11)}
+    tokens = {n: pairs[n][2] for n in pairs}
+    own = sum(pairs[n][0].capacity for n in (9, 20, 14)) * row
+
+    def held(extra: list[KVCache] = ()) -> int:
+        caches = [c for pair in pairs.values() for c in pair[:2]] + list(extra)
+        singles = sum(pairs[n][1].capacity for n in pairs) * row  # the twins decode on their own buffers
+        assert runtime.kv_held_bytes() == _storage_bytes(runtime, caches)
+        return runtime.kv_held_bytes() - singles
+
+    assert held() == own + pairs[11][0].capacity * row
+    _decode_pairs(runtime, pairs, tokens, [9, 20, 14])
+    assert len(runtime.arena.slots) == 3 and runtime.arena.capacity == 32  # 20 + 7 rows -> 32
+    assert held() == 3 * 32 * row + pairs[11][0].capacity * row
+    _decode_pairs(runtime, pairs, tokens, [9, 20, 14, 11])  # a fourth joins: 3 -> 6 slots
+    assert len(runtime.arena.slots) == 6 and held() == 6 * 32 * row
+    del pairs[9]
+    _decode_pairs(runtime, pairs, tokens, [20, 14, 11])
+    assert runtime.arena.occupied() == 3 and held() == 6 * 32 * row  # free slots stay held
+    claimed = runtime.new_cache(15, claim_slot=True)
+    assert claimed.in_arena and held([claimed]) == 6 * 32 * row
+    alone = runtime.new_cache(15)
+    prompt = _prompt(vocab, 8, seed=8)
+    torch.testing.assert_close(
+        runtime.prefill(claimed, prompt), runtime.prefill(alone, prompt), atol=0, rtol=0
+    )
+    assert held([claimed, alone]) == 6 * 32 * row + 15 * row
+
+
+def test_arena_growth_stays_within_the_kv_limit(tokenizer):
+    """With a kv_limit the arena grows to just the slots needed when a doubling's peak would pass it; a
+    cache it has no room for decodes on its own buffers (same logits) and binds once a slot is free, giving
+    its own buffers back. Held bytes never pass the limit."""
+    runtime = _runtime("llama", len(tokenizer))
+    vocab, row, layers = len(tokenizer), runtime.kv_bytes_per_token(), runtime.num_layers
+    pairs = {n: _twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (10, 12, 9, 11)}
+    tokens = {n: pairs[n][2] for n in pairs}
+    singles = sum(pairs[n][1].capacity for n in pairs) * row
+    _decode_pairs(runtime, pairs, tokens, [10, 12])
+    assert len(runtime.arena.slots) == 2 and runtime.arena.capacity == 32
+    two, joining, other = 2 * 32 * row, pairs[9][0].capacity * row, pairs[11][0].capacity * row
+    # growing to 3 slots peaks at 3 slots + one layer of (2 slots + the joining cache); 4 slots need more
+    limit = singles + other + 3 * 32 * row + (two + joining) // layers
+    _decode_pairs(runtime, pairs, tokens, [10, 12, 9], kv_limit=limit)
+    assert len(runtime.arena.slots) == 3 and runtime.kv_held_bytes() <= limit
+    assert runtime.kv_held_bytes() == singles + 3 * 32 * row + other
+    tight = runtime.kv_held_bytes()  # no room to grow: 11 decodes on its own buffers
+    for _ in range(2):
+        _decode_pairs(runtime, pairs, tokens, [10, 12, 9, 11], kv_limit=tight)
+        assert not pairs[11][0].in_arena and len(runtime.arena.slots) == 3
+        assert runtime.kv_held_bytes() == tight
+    del pairs[12]
+    _decode_pairs(runtime, pairs, tokens, [10, 9, 11], kv_limit=tight)  # 11 takes the freed slot
+    assert pairs[11][0].in_arena
+    singles = sum(pairs[n][1].capacity for n in pairs) * row
+    assert runtime.kv_held_bytes() == _storage_bytes(runtime, [c for p in pairs.values() for c in p[:2]])
+    assert runtime.kv_held_bytes() == singles + 3 * 32 * row <= tight
+
+
+def test_a_mostly_empty_arena_shrinks_to_its_bound_caches(tokenizer):
+    """Once at most a quarter of the slots are bound, trim_arena reallocates to the bound caches (slots
+    compacted, capacity their widest), unless the reallocation's peak would pass the kv_limit; an arena
+    with no bound cache is dropped. The caches left keep decoding with their own single-step logits."""
+    runtime = _runtime("llama", len(tokenizer))
+    vocab, row, layers = len(tokenizer), runtime.kv_bytes_per_token(), runtime.num_layers
+    pairs = {n: _twin_caches(runtime, _prompt(vocab, n, seed=n)) for n in (8, 9, 10, 11, 12, 13, 14, 22)}
+    tokens = {n: pairs[n][2] for n in pairs}
+    _decode_pairs(runtime, pairs, tokens, [22, 8, 9, 10, 11, 12, 13, 14])  # 22 is no straggler: <= 2 x 12
+    assert len(runtime.arena.slots) == 8 and runtime.arena.capacity == 32
+    for n in (22, 10, 11, 12, 13, 14):
+        del pairs[n]
+    singles = sum(pairs[n][1].capacity for n in pairs) * row
+    old, new = 8 * 32 * row, 2 * 16 * row  # the two left have 8 + 7 and 9 + 7 rows: 16, the widest gone
+    runtime.trim_arena(kv_limit=singles + old + new // layers - 1)  # the peak would pass it by one byte
+    assert len(runtime.arena.slots) == 8
+    runtime.trim_arena(kv_limit=singles + old + new // layers)
+    assert len(runtime.arena.slots) == 2 and runtime.arena.capacity == 16
+    live = [c for p in pairs.values() for c in p[:2]]
+    assert runtime.kv_held_bytes() == singles + new == _storage_bytes(runtime, live)
+    del live
+    for _ in range(2):
+        _decode_pairs(runtime, pairs, tokens, [9, 8])
+    pairs.clear()
+    runtime.trim_arena()
+    assert runtime.arena is None and runtime.kv_held_bytes() == 0
