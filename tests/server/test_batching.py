@@ -6,7 +6,8 @@ non-streamed answer; a server deadline shorter than a long generation. Must happ
 the same requests served alone; /metrics shows steps that decoded several sequences; a dropped client's
 sequence ends with reason "abort" long before it could have finished; a deadline is a 504
 ``deadline_exceeded`` (an SSE error event once streaming); every request ends exactly once
-(``semkv_requests_ended_total``) and /health's queue drains to 0.
+(``semkv_requests_ended_total``) and /health's queue drains to 0; ``semkv_live_kv_bytes`` shows a running
+sequence's KV and drops to 0 once it is freed.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def test_clients_dropping_free_their_sequences(live_server):  # noqa: F811
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
+            # its cache: (prompt + 1500) rows x 2 layers x 2 KV heads x 16 dims x 3 buffers of >= 2 bytes
+            wait_until(lambda: metric(base, "semkv_live_kv_bytes") >= 1500 * 2 * 2 * 16 * 3 * 2)
     wait_until(lambda: metric(base, "semkv_requests_ended_total", reason="abort") == 1)
+    wait_until(lambda: metric(base, "semkv_live_kv_bytes") == 0)  # its KV went back with it
     # not streaming: the client gives up before the answer
     try:
         httpx.post(f"{base}/v1/completions", json=body, timeout=0.5)
