@@ -66,6 +66,7 @@ class RuleRunner:
     batches: list[list[str]] = field(default_factory=list)  # prompts of each decode_batch call
     fail_prefill: str | None = None
     live: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (job or sequence, its KV bytes)
+    outside_kv: int = 0  # KV bytes held by something the scheduler does not run
 
     def admission(self, request: GenerateRequest) -> Admission:
         words = len((request.prompt or "").split())
@@ -75,7 +76,7 @@ class RuleRunner:
         return Admission(words, rows * BYTES_PER_TOKEN, rows)
 
     def live_kv_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self.live if ref() is not None)
+        return self.outside_kv + sum(nbytes for ref, nbytes in self.live if ref() is not None)
 
     def kv_bytes_to_admit(self, admissions: list[Admission]) -> int:
         return sum(a.kv_bytes for a in admissions)
@@ -388,6 +389,34 @@ def test_live_kv_budget_makes_admission_wait_and_refuses_what_never_fits():
     assert finished_once(outputs[second]).finish_reason == "length"
     refused = finished_once(outputs[huge])
     assert refused.finish_reason == "error" and "max_live_kv_bytes" in str(refused.error)
+
+
+def test_live_kv_counts_what_the_runner_holds_and_never_deadlocks():
+    """Admission counts the bytes the runner really holds (here some held outside the scheduler), not a
+    sum of reservations: a request that fits the limit alone but not beside them waits while others run;
+    with nothing running it is admitted anyway (waiting could never free that memory), and one that can
+    never fit the limit alone ends with the clear error."""
+    one = (1 + 3) * BYTES_PER_TOKEN
+    runner = RuleRunner(outside_kv=one)
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_live_kv_bytes=2 * one))
+    first = scheduler.add_request(request("a"))
+    second = scheduler.add_request(request("b"))
+    huge = scheduler.add_request(request("c " * 10))
+    scheduler.step()
+    assert runner.prefills == ["a"] and scheduler.num_waiting == 2  # b does not fit beside a + outside
+    assert scheduler.last_step.live_kv_bytes == 2 * one
+    outputs = run_all(scheduler)
+    assert runner.prefills == ["a", "b"]  # b alone with the outside bytes: 2 * one, admitted
+    assert (
+        finished_once(outputs[first]).finish_reason
+        == finished_once(outputs[second]).finish_reason
+        == "length"
+    )
+    refused = finished_once(outputs[huge])
+    assert refused.finish_reason == "error" and "max_live_kv_bytes" in str(refused.error)
+    runner.outside_kv = 3 * one  # more than the limit, with nothing running: the next request still runs
+    late = scheduler.add_request(request("d"))
+    assert finished_once(run_all(scheduler)[late]).finish_reason == "length"
 
 
 def test_stop_string_ends_the_request_and_cuts_the_text():

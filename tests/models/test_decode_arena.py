@@ -237,6 +237,8 @@ def test_arena_growth_stays_within_the_kv_limit(tokenizer):
     two, joining, other = 2 * 32 * row, pairs[9][0].capacity * row, pairs[11][0].capacity * row
     # growing to 3 slots peaks at 3 slots + one layer of (2 slots + the joining cache); 4 slots need more
     limit = singles + other + 3 * 32 * row + (two + joining) // layers
+    _decode_pairs(runtime, pairs, tokens, [10, 12, 9], kv_limit=limit - 1)  # one byte short: no growth
+    assert len(runtime.arena.slots) == 2 and not pairs[9][0].in_arena
     _decode_pairs(runtime, pairs, tokens, [10, 12, 9], kv_limit=limit)
     assert len(runtime.arena.slots) == 3 and runtime.kv_held_bytes() <= limit
     assert runtime.kv_held_bytes() == singles + 3 * 32 * row + other
