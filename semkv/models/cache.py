@@ -227,8 +227,11 @@ class DecodeArena:
     Memory: the arena holds :meth:`nbytes` (every slot, free or not, at the full capacity). It grows when
     caches bind and slots or capacity run short (slots doubled, or just enough when a doubling would pass
     ``max_growth``; see :meth:`bind`), never beyond what the caller allows, and shrinks when few slots stay
-    bound (:meth:`shrink`). A reallocation goes layer by layer, so beside the larger of the old and new
-    buffers it holds one layer of the other (:meth:`reallocation_peak`), not both whole.
+    bound (:meth:`shrink`). A reallocation moves the bound caches to the first slots and sizes the
+    capacity to the widest cache it holds (the padding a wide cache that left imposed goes back); it goes
+    layer by layer, so beside the larger of the old and new buffers it holds one layer of the other
+    (:meth:`reallocation_peak`), not both whole. A new cache can start in a free slot (:meth:`claim`), so a
+    request admitted while a slot is free costs no memory beyond the arena's and needs no copy later.
     """
 
     def __init__(self, like: KVCache) -> None:

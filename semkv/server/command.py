@@ -117,7 +117,8 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
         "--max-live-kv-mb",
         type=int,
         default=None,
-        help="live KV the running sequences may reserve, MiB; admission waits beyond it (default unbounded)",
+        help="KV memory the running sequences may hold (decode arena included), MiB; admission waits beyond"
+        " it (default unbounded)",
     )
     p.add_argument(
         "--request-timeout",
