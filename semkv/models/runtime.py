@@ -252,21 +252,18 @@ class Runtime:
         """An empty cache for ``capacity`` rows. ``claim_slot``: in a free decode-arena slot wide enough, if
         there is one (no memory of its own; see :meth:`DecodeArena.claim`), else with its own buffers."""
         a = self.adapter
-        if claim_slot and self.arena is not None and self.arena.claimable([capacity])[0]:
-            cache = KVCache(
-                a.num_layers, a.num_kv_heads, a.head_dim, 1, self.kv_dtype, self.compute_dtype, self.device
-            )
+        claim = claim_slot and self.arena is not None and self.arena.claimable([capacity])[0]
+        cache = KVCache(
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            1 if claim else capacity,  # a claimed slot replaces its buffers at once
+            self.kv_dtype,
+            self.compute_dtype,
+            self.device,
+        )
+        if claim and self.arena is not None:
             self.arena.claim(cache, capacity)
-        else:
-            cache = KVCache(
-                a.num_layers,
-                a.num_kv_heads,
-                a.head_dim,
-                capacity,
-                self.kv_dtype,
-                self.compute_dtype,
-                self.device,
-            )
         return self.track(cache)
 
     def _tables(self, positions: Tensor) -> RopeTables:
