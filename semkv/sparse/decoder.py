@@ -118,6 +118,9 @@ class SparseDecoder:
         if self.policy.needs_prefill_queries and self.prefill is None:
             raise ValueError(f"policy {self.policy.name!r} needs the prompt's queries captured at prefill")
         cache = index.cache
+        beyond = [i for i in self.config.dense_layers if i >= cache.num_layers]
+        if beyond:
+            raise ValueError(f"dense_layers {beyond} are not layers of a {cache.num_layers}-layer model")
         self.index = index
         positions = cache.valid_positions()
         self._ordered = bool((positions[1:] > positions[:-1]).all())
