@@ -45,7 +45,10 @@ class SparseConfig:
     record_queries: keep each step's per-layer query (for oracle overlap, measured afterwards).
     dense_when_covered: a budget covering every candidate attends to the cache directly (exact);
         False still goes through the fast tier (tests use it to check the gather path).
-    dense_layers: layers that attend to every row (no selection).
+    dense_layers: layers that attend to every row (no selection). Measured with the probe at 10% on RULER
+        at 4K (SmolLM2, ``semkv bench sparse --suite ruler --policies probe+dense0,1``): Quest's first two
+        layers dense gave dev +0.4 and test -1.3 [-3.0, +0.5] against the probe alone (130 cases), so
+        no default; SmolLM2's first layers attend broadly but a 10% subset gives a close average.
     layer_windows: per layer, its sliding window (None: a global layer); window layers attend to the
         rows of their window only, sliced from the cache (the engine fills this from the model).
     """
