@@ -72,7 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-new-tokens", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--e2e-reps", type=int, default=3)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2])
-    p.add_argument("--policies", nargs="+", default=MAIN_POLICIES)
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=MAIN_POLICIES,
+        help="run labels: a policy, 'name:field=value,...' (its options), and '+dense0,1' to keep those "
+        "layers dense (no selection), e.g. probe+dense0,1; --speed-policies takes the same labels",
+    )
     p.add_argument(
         "--sweep-policies",
         nargs="+",
@@ -126,6 +132,36 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]
     return out
 
 
+DENSE_SUFFIX = "+dense"
+
+
+def split_dense_layers(label: str) -> tuple[str, tuple[int, ...]]:
+    """A run label's policy part and the layers it keeps dense (attending to every row, no selection):
+    "probe+dense0,1" -> ("probe", (0, 1)); a label without "+dense" -> (label, ())."""
+    policy, found, layers = label.partition(DENSE_SUFFIX)
+    if not found:
+        return label, ()
+    try:
+        dense = tuple(int(item) for item in layers.split(","))
+    except ValueError:
+        raise ValueError(
+            f"dense_layers of run label {label!r} must be layer indices after {DENSE_SUFFIX!r}, "
+            "comma-separated (e.g. 'probe+dense0,1')"
+        ) from None
+    if any(i < 0 for i in dense) or len(set(dense)) != len(dense):
+        raise ValueError(f"dense_layers of run label {label!r} must be distinct layer indices >= 0")
+    return policy, tuple(sorted(dense))
+
+
+def validate_labels(labels: list[str]) -> None:
+    """Raise ValueError (naming the field) for a run label that ``make_decoder`` could not build, before
+    any model is loaded."""
+    for label in labels:
+        policy, dense = split_dense_layers(label)
+        _policy(policy, ABLATIONS.get(policy, {}))
+        SparseConfig(dense_layers=dense)
+
+
 def _policy(label: str, options: dict[str, Any]):
     """A policy from a run label: a registered name, a seed ablation ("keykey-..."), or a variant
     "name:field=value,field=value" (values as Python literals), e.g. "probe:head_agg='mass'"."""
@@ -139,8 +175,12 @@ def _policy(label: str, options: dict[str, Any]):
 
 
 def make_decoder(engine, label: str, budget: float, options: dict[str, Any], **config: Any) -> SparseDecoder:
-    """The engine's decoder (window layers on their window) for a policy label of ``_configs``."""
-    return engine.sparse_decoder(_policy(label, options), budget, **config)
+    """The engine's decoder (window layers on their window) for a run label of ``_configs``: a policy
+    label of ``_policy``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1")."""
+    policy, dense = split_dense_layers(label)
+    if dense:
+        config = {**config, "dense_layers": dense}
+    return engine.sparse_decoder(_policy(policy, options), budget, **config)
 
 
 def decode_run(engine, base, steps: int, decoder: SparseDecoder | None) -> tuple:
@@ -451,6 +491,7 @@ def interleaved_speed(engine, case: NeedleCase, args: argparse.Namespace) -> lis
 def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
+    validate_labels([label for label, _, _ in _configs(args)] + list(args.speed_policies))
     if args.suite == "ruler" or args.e2e:
         from semkv.bench import sparse_ruler
 

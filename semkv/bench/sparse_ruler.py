@@ -127,14 +127,18 @@ def case_key(record: dict[str, Any]) -> tuple[int, str, int]:
 
 
 def load_records(paths: list[Path]) -> list[dict[str, Any]]:
-    """Per-case records of one or more ``*_cases.jsonl`` files (the last record of a case wins)."""
+    """Per-case records of one or more ``*_cases.jsonl`` files. Records of one case join their runs (runs
+    split by policy over processes merge; the case's prefill is the same); of a run in several records,
+    the last wins."""
     found: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         if path.is_file():
             for line in path.read_text().splitlines():
                 if line.strip():
                     record = json.loads(line)
-                    found[case_key(record)] = record
+                    key = case_key(record)
+                    runs = {**found[key]["runs"], **record["runs"]} if key in found else record["runs"]
+                    found[key] = {**record, "runs": runs}
     return list(found.values())
 
 
