@@ -296,7 +296,7 @@ class Runtime:
             cache.write(layer, rows, kp, apply_rope(kp.float(), *tables(layer)), v[layer])
         return start
 
-    def _write(
+    def write_fresh(
         self, cache: KVCache, layer: int, rows: Tensor | slice, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     ) -> Tensor:
         """Write fresh pre-RoPE keys / values [kvh, n, d] into ``rows``: keys rounded to the KV dtype and
@@ -305,7 +305,7 @@ class Runtime:
         cache.write(layer, rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
         return k_pre
 
-    def _queries(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def rotated_queries(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotated queries [nh, n, d] in the compute dtype (RoPE in fp32)."""
         return apply_rope(q.float(), cos, sin).to(self.compute_dtype)
 
@@ -345,13 +345,13 @@ class Runtime:
             if active.numel() != count:
                 cos, sin = cos[active], sin[active]
             if observer is not None:
-                observer(layer, self._queries(q, cos, sin), q_pos)
+                observer(layer, self.rotated_queries(q, cos, sin), q_pos)
             if selector is None:
-                self._write(cache, layer, slice(start, cache.length), k, v, cos, sin)
+                self.write_fresh(cache, layer, slice(start, cache.length), k, v, cos, sin)
             else:
                 cached_k = cache.k_pre[layer][:, rows].float()
                 cached_v = cache.v[layer][:, rows].float()
-                k_pre = self._write(cache, layer, rows, k, v, cos, sin)
+                k_pre = self.write_fresh(cache, layer, rows, k, v, cos, sin)
                 inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
                 keep = selector.select(layer, active, k_pre.float(), v.float(), cached_k, cached_v, inputs)
                 if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
@@ -377,7 +377,7 @@ class Runtime:
                 )
                 fresh_prefix = False
             out = attend(
-                self._queries(q, cos, sin),
+                self.rotated_queries(q, cos, sin),
                 cache.keys(layer),
                 cache.values(layer),
                 q_pos,
@@ -450,10 +450,10 @@ class Runtime:
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
             cos, sin = tables(layer)
-            # RoPE is row-wise: rotate every row at once (keys rounded to the KV dtype first, as _write does)
+            # RoPE is row-wise: rotate every row at once (keys rounded to the KV dtype first, as write_fresh does)
             k_pre = cast(k, self.kv_dtype)
             k_rot = apply_rope(k_pre.float(), cos, sin)
-            q_rot_all = self._queries(q, cos, sin)
+            q_rot_all = self.rotated_queries(q, cos, sin)
             together = shared is not None and shared.covers(a.window(layer))
             got = None
             if shared is not None:

@@ -21,8 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from semkv.models.adapters import apply_rope
-from semkv.models.cache import KVCache, cast
+from semkv.models.cache import KVCache
 from semkv.models.runtime import LayerInputs, RopeTables, Runtime, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
@@ -280,8 +279,7 @@ def forward_fixed_rows(
     for layer in range(last + 1):
         q, k, v = a.qkv(layer, hidden)
         cos, sin = (t[rows] for t in tables(layer))
-        k_pre = cast(k, runtime.kv_dtype)
-        cache.write(layer, cache_rows, k_pre, apply_rope(k_pre.float(), cos, sin), v)
+        runtime.write_fresh(cache, layer, cache_rows, k, v, cos, sin)
         if probe is not None:
             inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
             probe.observe(layer, rows, everything, inputs)
@@ -291,7 +289,7 @@ def forward_fixed_rows(
         if layer == a.num_layers - 1 and rows.numel() > 1:
             hidden, q, q_pos, cos, sin = hidden[-1:], q[:, -1:], q_pos[-1:], cos[-1:], sin[-1:]
         out = attend(
-            apply_rope(q.float(), cos, sin).to(runtime.compute_dtype),
+            runtime.rotated_queries(q, cos, sin),
             cache.keys(layer),
             cache.values(layer),
             q_pos,
