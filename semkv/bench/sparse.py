@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import logging
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -133,6 +134,8 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]
 
 
 DENSE_SUFFIX = "+dense"
+# a comma that starts the next "field=" of a run label's options (not one inside a tuple)
+OPTION_SEPARATOR = re.compile(r",(?=\s*\w+\s*=)")
 
 
 def split_dense_layers(label: str) -> tuple[str, tuple[int, ...]]:
@@ -164,13 +167,19 @@ def validate_labels(labels: list[str]) -> None:
 
 def _policy(label: str, options: dict[str, Any]):
     """A policy from a run label: a registered name, a seed ablation ("keykey-..."), or a variant
-    "name:field=value,field=value" (values as Python literals), e.g. "probe:head_agg='mass'"."""
+    "name:field=value,field=value" (values as Python literals, tuples included), e.g.
+    "probe:head_agg='mass'" or "probe:exact_layers=(3,4,5),exact_keys=True"."""
     if label.startswith("keykey-"):
         return KeyKeyPolicy(**options)
     name, _, variant = label.partition(":")
-    for item in filter(None, variant.split(",")):
+    for item in filter(None, OPTION_SEPARATOR.split(variant)):
         key, _, value = item.partition("=")
-        options = {**options, key: ast.literal_eval(value)}
+        try:
+            options = {**options, key: ast.literal_eval(value)}
+        except (ValueError, SyntaxError):
+            raise ValueError(
+                f"{key} of run label {label!r} must be a Python literal, got {value!r}"
+            ) from None
     return make_policy(name, **options)
 
 

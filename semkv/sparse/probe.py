@@ -22,6 +22,12 @@ by its best head in each layer (a retrieval head that alone looks at a needle co
 by the heads' mean; layers (and question tokens) are averaged. ``per_layer=True`` instead scores each
 layer with its own current query (exact, but one selection and one fast-tier map per layer).
 
+``exact_layers`` gives chosen layers their own selection, scored with their own current query just before
+they attend; the selecting layers between them keep one shared choice per contiguous run (chosen at the
+run's first layer). On SmolLM2 layers 3-10 attend most selectively: there the once-per-step choice keeps
+half the attention mass a per-layer choice keeps (issue 17). ``exact_keys`` scores those layers by the
+exact attention of the current query over every cached key instead of the blocks' mean keys.
+
 Residency: blocks selected in the last ``keep_steps`` steps stay resident when unselected (the step
 probe lags a step, so a block it just dropped is likely wanted again).
 """
@@ -106,6 +112,13 @@ class ProbePolicy(SparsePolicy):
         On RULER dev at 4K (SmolLM2, 10%, 39 cases) 0.5 scored +0.3 vs dense against -2.6 without (a
         number cut by a block boundary was copied up to the boundary, e.g. "475948" of "4759486"), but
         on test (65 cases) -8.4 against -7.0: not a default (``semkv bench sparse --suite ruler``).
+    exact_layers: layers that choose alone, with their own current query, before they attend; the other
+        selecting layers form contiguous runs between them (each split as ``groups`` splits the layers),
+        each run choosing at its first layer. Layers that do not select (dense or window layers) are
+        ignored; a layer the model does not have is refused when decoding starts.
+    exact_keys: score ``exact_layers`` by their current query's exact attention over every cached key
+        (per block, heads aggregated by ``head_agg``) instead of the blocks' mean keys: the per-layer
+        oracle for those layers, at the cost of one attention score row per layer.
     keep_steps: steps a selected block stays resident after it was last selected.
     """
 
@@ -117,14 +130,17 @@ class ProbePolicy(SparsePolicy):
     groups: int = 1
     chunk_keep: float = 0.0
     successors: float = 0.0
+    exact_layers: tuple[int, ...] = ()
+    exact_keys: bool = False
     keep_steps: int = 4
     _queries: dict[int, Tensor] = field(default_factory=dict, repr=False)
     _question: dict[int, Tensor] = field(default_factory=dict, repr=False)  # layer -> [prompt blocks]
     _last_selected: list[Tensor] = field(default_factory=list, repr=False)
     _num_blocks: int = field(default=0, repr=False)
-    _reserved: dict[tuple, tuple[Tensor, Tensor]] = field(
+    _num_groups: int = field(default=1, repr=False)
+    _reserved: dict[tuple[int, ...], tuple[tuple[int, int, int], tuple[Tensor, Tensor]]] = field(
         default_factory=dict, repr=False
-    )  # question's top candidates
+    )  # per layer group: (candidate range, reserved), the question's top candidates
 
     def __post_init__(self) -> None:
         if self.head_agg not in HEAD_AGGREGATES:
@@ -135,16 +151,43 @@ class ProbePolicy(SparsePolicy):
             raise ValueError(f"window and groups must be >= 1, got {self.window} and {self.groups}")
         if self.keep_steps < 0 or self.chunk_keep < 0 or not 0.0 <= self.successors <= 1.0:
             raise ValueError("keep_steps and chunk_keep must be >= 0, successors in [0, 1]")
+        layers = tuple(self.exact_layers) if isinstance(self.exact_layers, (tuple, list)) else None
+        if (
+            layers is None
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            raise ValueError(f"exact_layers must be distinct layer indices >= 0, got {self.exact_layers!r}")
+        self.exact_layers = tuple(sorted(layers))
+        if self.exact_keys and not self.exact_layers:
+            raise ValueError("exact_keys needs exact_layers (the layers it scores with every key)")
 
     def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """``groups`` even contiguous groups, each split around ``exact_layers`` (each one its own group):
+        with exact layers (3, 4) of 6 selecting layers, ((0, 1, 2), (3,), (4,), (5,))."""
         count = max(1, min(self.groups, len(selecting)))
         bounds = [round(i * len(selecting) / count) for i in range(count + 1)]
-        return tuple(selecting[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        out: list[tuple[int, ...]] = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            run: list[int] = []
+            for layer in selecting[a:b]:
+                if layer in self.exact_layers:
+                    out += [tuple(run), (layer,)] if run else [(layer,)]
+                    run = []
+                else:
+                    run.append(layer)
+            if run:
+                out.append(tuple(run))
+        return tuple(out)
 
     def prepare(self, view: StepView) -> None:
         """The first step's probe (the prompt's last token's queries) and the question's block scores."""
         if view.prefill is None or not view.prefill.q:
             raise ValueError("probe needs the prompt's queries captured at prefill")
+        beyond = [i for i in self.exact_layers if i >= view.cache.num_layers]
+        if beyond:
+            raise ValueError(f"exact_layers {beyond} are not layers of a {view.cache.num_layers}-layer model")
+        self._num_groups = len(self.layer_groups(view.selecting)) if view.selecting else 1
         self._queries = {layer: view.prefill.q[layer][:, -1] for layer in view.selecting}
         self._last_selected = []
         self._reserved = {}
@@ -174,8 +217,11 @@ class ProbePolicy(SparsePolicy):
         queries = dict(self._queries)
         if view.layer is not None and view.q_rot is not None:
             queries[view.layer] = view.q_rot[:, 0]  # the group's first layer: this step's own query
-        q = torch.stack([queries[layer] for layer in layers])  # [L', nh, d]
-        step = self._spread(self._step_scores(view, layers, q))
+        if self.exact_keys and view.layer in self.exact_layers and view.q_rot is not None:
+            step = self._spread(self._exact_scores(view, view.layer, view.q_rot))
+        else:
+            q = torch.stack([queries[layer] for layer in layers])  # [L', nh, d]
+            step = self._spread(self._step_scores(view, layers, q))
         scores = self._with_question(view, layers, step)
         self._remember(view, scores)
         return scores
@@ -197,6 +243,14 @@ class ProbePolicy(SparsePolicy):
         out[blocks - span.start] = mean_key_scores(q, pages[:, :, blocks], self.head_agg).mean(dim=0)
         return out
 
+    def _exact_scores(self, view: StepView, layer: int, q_rot: Tensor) -> Tensor:
+        """[C] the candidates' share of ``layer``'s attention (its current query q_rot [nh, 1, d] over every
+        cached key, the new row's included), heads aggregated by ``head_agg``."""
+        span = view.candidate_span()
+        keys = view.cache.keys(layer)
+        mass = window_block_scores(q_rot, keys, view.index.block_size, view.index.num_complete, self.head_agg)
+        return mass[span]
+
     def _spread(self, scores: Tensor) -> Tensor:
         return spread_successors(scores, self.successors)
 
@@ -207,10 +261,11 @@ class ProbePolicy(SparsePolicy):
         if reserved <= 0 or not any(layer in self._question for layer in layers):
             return step
         span = view.candidate_span()
-        key = (layers, span.start, span.stop, reserved)
-        if key not in self._reserved:  # the question's scores never change: once per candidate range
-            self._reserved = {key: self._question_top(view, layers, step, reserved)}
-        top, lift = self._reserved[key]
+        key = (span.start, span.stop, reserved)
+        entry = self._reserved.get(layers)
+        if entry is None or entry[0] != key:  # the question's scores never change: once per candidate range
+            entry = self._reserved[layers] = (key, self._question_top(view, layers, step, reserved))
+        top, lift = entry[1]
         lifted = step.clone()
         lifted[top] = lift  # step scores are <= 1
         return lifted
@@ -234,7 +289,7 @@ class ProbePolicy(SparsePolicy):
         self._num_blocks = view.index.num_complete
         if self.keep_steps:
             top = view.candidates[torch.topk(scores, min(view.budget, scores.numel())).indices]
-            limit = self.keep_steps * max(1, self.groups)
+            limit = self.keep_steps * self._num_groups
             self._last_selected = ([top] + self._last_selected)[:limit]
 
     def resident_hint(self) -> Tensor | None:
