@@ -32,7 +32,7 @@ from semkv.bench.report import line_plot, median, write_results
 from semkv.evaluation.metrics import exact_match
 from semkv.evaluation.needles import TASKS, NeedleCase, answer_rows, make_cases, prompt_ids
 from semkv.request import GenerateRequest
-from semkv.sparse import SparseConfig, SparseDecoder, block_attention_mass, make_policy
+from semkv.sparse import SparseConfig, SparseDecoder, SparsePolicy, block_attention_mass, make_policy
 from semkv.sparse.keykey import KeyKeyPolicy
 
 log = logging.getLogger(__name__)
@@ -161,11 +161,11 @@ def validate_labels(labels: list[str]) -> None:
     any model is loaded."""
     for label in labels:
         policy, dense = split_dense_layers(label)
-        _policy(policy, ABLATIONS.get(policy, {}))
+        policy_from_label(policy, ABLATIONS.get(policy, {}))
         SparseConfig(dense_layers=dense)
 
 
-def _policy(label: str, options: dict[str, Any]):
+def policy_from_label(label: str, options: dict[str, Any]) -> SparsePolicy:
     """A policy from a run label: a registered name, a seed ablation ("keykey-..."), or a variant
     "name:field=value,field=value" (values as Python literals, tuples included), e.g.
     "probe:head_agg='mass'" or "probe:exact_layers=(3,4,5),exact_keys=True"."""
@@ -185,11 +185,11 @@ def _policy(label: str, options: dict[str, Any]):
 
 def make_decoder(engine, label: str, budget: float, options: dict[str, Any], **config: Any) -> SparseDecoder:
     """The engine's decoder (window layers on their window) for a run label of ``_configs``: a policy
-    label of ``_policy``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1")."""
+    label of ``policy_from_label``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1")."""
     policy, dense = split_dense_layers(label)
     if dense:
         config = {**config, "dense_layers": dense}
-    return engine.sparse_decoder(_policy(policy, options), budget, **config)
+    return engine.sparse_decoder(policy_from_label(policy, options), budget, **config)
 
 
 def decode_run(engine, base, steps: int, decoder: SparseDecoder | None) -> tuple:

@@ -3,7 +3,7 @@
 Injected: a tiny Llama (2 layers, 2 KV heads, head dim 16, KV float32), block size 4, a 200-token
 prompt, kv_budget 0.1, one sink block, an 8-token window, 12 decode steps; the decoder's gather hook
 wrapped to record what each layer attends to and which blocks are resident after it.
-Must happen, for every policy (one parametrized matrix):
+Must happen, for every policy and the probe with exact layers (one parametrized matrix):
 
 * the rows a layer attends to are exactly the sink rows, the window rows (the new token's included)
   and the rows of the blocks selected for it, each once: no hidden row leaks in, none of those is left
@@ -37,6 +37,11 @@ PROMPT_TOKENS = 200
 STEPS = 12
 CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8)
 SPARSE_POLICIES = sorted(set(POLICIES) - {"dense"})
+# (policy, options): every registered policy with its defaults, and variants with uneven layer groups
+MATRIX = [(name, {}) for name in SPARSE_POLICIES] + [
+    ("probe", {"exact_layers": (1,)}),
+    ("probe", {"exact_layers": (0,), "exact_keys": True}),
+]
 FED = [5, 17, 23, 42, 8, 99, 64, 3]  # teacher-forced decode tokens
 
 
@@ -69,12 +74,12 @@ class Recorder:
         return picked
 
 
-def decode_with(policy: str, model, ids: list[int]) -> tuple[Recorder, Runtime]:
+def decode_with(policy: str, model, ids: list[int], **options) -> tuple[Recorder, Runtime]:
     runtime = Runtime(adapter_for("llama")(model), torch.float32)
     cache = runtime.new_cache(len(ids) + STEPS + 1)
     with capture_prefill_queries(cache) as queries:
         logits = runtime.prefill(cache, ids)
-    decoder = SparseDecoder(make_policy(policy), SparseConfig(**CONFIG), BLOCK, prefill=queries)
+    decoder = SparseDecoder(make_policy(policy, **options), SparseConfig(**CONFIG), BLOCK, prefill=queries)
     recorder = Recorder(decoder)
     for _ in range(STEPS):
         logits = runtime.decode(cache, int(logits.argmax()), recorder)
@@ -89,13 +94,12 @@ def model_and_prompt(tokenizer):
     return model, ids.tolist()
 
 
-@pytest.mark.parametrize("policy", SPARSE_POLICIES)
-def test_policy_attends_sink_window_and_budget_blocks_and_accounts_bytes(policy, model_and_prompt):
+@pytest.mark.parametrize("policy, options", MATRIX, ids=[f"{n}{o or ''}" for n, o in MATRIX])
+def test_policy_attends_sink_window_and_budget_blocks_and_accounts_bytes(policy, options, model_and_prompt):
     model, ids = model_and_prompt
-    recorder, runtime = decode_with(policy, model, ids)
+    recorder, runtime = decode_with(policy, model, ids, **options)
     decoder = recorder.decoder
     tier = decoder.tier
-    per_layer = decoder.policy.per_layer
     layers = runtime.num_layers
     assert len(decoder.records) == STEPS and len(recorder.calls) == STEPS * layers
 
@@ -103,7 +107,8 @@ def test_policy_attends_sink_window_and_budget_blocks_and_accounts_bytes(policy,
     resident_before: dict[int, set[int]] = {}
     for call in recorder.calls:
         record = decoder.records[call["step"]]
-        selected = record.selected[call["layer"] if per_layer else 0]
+        group_layers = tier.layer_groups[call["group"]]
+        selected = record.selected[call["group"]]  # one choice per group and step, in layer order
         length = call["length"]
         window_block = (length - CONFIG["window_tokens"]) // BLOCK
         budget = Budget(CONFIG["kv_budget"]).blocks(length, BLOCK)
@@ -122,19 +127,19 @@ def test_policy_attends_sink_window_and_budget_blocks_and_accounts_bytes(policy,
         assert call["mask"].isinf()[0].tolist() == hidden if call["mask"] is not None else not any(hidden)
 
         group = call["group"]
-        if per_layer or call["layer"] == 0:  # a per-step policy's residency changes at layer 0 only
+        if call["layer"] == group_layers[0]:  # a group's residency changes at its first layer only
             before = resident_before.get(group, set())
             resident = call["resident"]
             assert set(selected) <= resident and resident <= before | set(selected)
             assert len(resident) <= tier.slots
-            copies += len(set(selected) - before) * (1 if per_layer else layers)
+            copies += len(set(selected) - before) * len(group_layers)
             resident_before[group] = resident
 
     kvh, head_dim = model.config.num_key_value_heads, model.config.head_dim
     layer_block_bytes = 2 * kvh * BLOCK * head_dim * 4
     stats = decoder.stats()
     assert stats["bytes_loaded"] == copies * layer_block_bytes
-    pairs = sum(len(r) for r in resident_before.values()) * (1 if per_layer else layers)
+    pairs = sum(len(r) * len(tier.layer_groups[g]) for g, r in resident_before.items())
     assert stats["resident_kv_bytes"] == pairs * layer_block_bytes
     budgets = [Budget(CONFIG["kv_budget"]).blocks(r.context_tokens, BLOCK) for r in decoder.records]
     assert stats["blocks_selected_per_step"] == pytest.approx(sum(budgets) / len(budgets))
