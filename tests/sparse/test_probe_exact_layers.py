@@ -9,7 +9,8 @@ selecting layers between the exact layers, each exact layer alone; each decode s
 per group, an exact layer's selection is the budget's top blocks by its own current query (the blocks'
 mean keys; with ``exact_keys`` the true attention over every key, an independent computation here), and
 differs at some step from what the previous step's query would have chosen; the shared group (0, 1)
-chooses by layer 0's current and layer 1's previous query; a layer the model does not have is refused.
+chooses by layer 0's current and layer 1's previous query; the residency hint keeps every group's
+choices of the last ``keep_steps`` steps; a layer the model does not have is refused.
 """
 
 from __future__ import annotations
@@ -151,6 +152,11 @@ def test_exact_layers_choose_with_their_own_current_query(tokenizer, exact_keys)
         scores = mean_key_scores(shared, means[0:2, :, sink:win_block], "max").mean(dim=0)
         assert record.selected[0] == topk_blocks(scores, candidates, budget).tolist(), step
     assert differs > 0  # the current query matters: the previous one would have chosen otherwise
+    # residency: every group's choices of the last keep_steps steps are worth keeping
+    keep = decoder.policy.keep_steps
+    recent = {b for record in decoder.records[-keep:] for selected in record.selected for b in selected}
+    hint = decoder.policy.resident_hint()
+    assert hint is not None and recent == set((hint >= 0).nonzero().flatten().tolist())
 
 
 def test_exact_layer_beyond_the_model_is_refused(tokenizer):
