@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from semkv.config import EngineConfig, SchedulerConfig, StoreConfig, make_private_dir
+from semkv.loop_repair import repair, wants_repair
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
@@ -368,6 +369,8 @@ class Engine:
                 seq.tokens[-1] = int(feed)
             logits = self.runtime.decode(seq.cache, seq.tokens[-1], seq.sparse)
             seq.sample(logits)
+            if feed is None:
+                self.repair_loop(seq)
             return logits
 
     @torch.inference_mode()
@@ -386,10 +389,18 @@ class Engine:
             )
             for seq, row in zip(seqs, logits, strict=True):
                 seq.sample(row)
+                self.repair_loop(seq)
             elapsed = time.perf_counter() - start
             for seq in seqs:
                 seq.decode_s += elapsed
             return logits
+
+    def repair_loop(self, seq: Sequence) -> bool:
+        """If ``seq``'s answer (decoded from inexact reused KV) has started to repeat itself, recompute its
+        reused rows exactly and roll the repetition back (:mod:`semkv.loop_repair`, once per sequence;
+        ``seq.notes["loop_repair"]`` says what it did). True if it repaired. Called after every decode step."""
+        with self._lock:
+            return wants_repair(seq) and repair(self.runtime, seq)
 
     def decode(
         self, seq: Sequence, *, max_steps: int | None = None, on_token: TokenCallback | None = None

@@ -33,6 +33,9 @@ class GenerateRequest:
     assistant_prefix: text the reply starts with (e.g. "The answer is"), placed after the chat
         template's generation prompt (after a plain prompt without the template); the generated
         text continues it and does not repeat it.
+    repair_loops: an answer decoded from inexact reused KV (blend, share) that starts repeating itself is
+        recomputed exactly once and rolled back to the repetition's first copy (see
+        :mod:`semkv.loop_repair`); False keeps whatever the reused KV decodes.
     tenant / cache_salt: the request's namespace (see :class:`semkv.store.keys.Namespace`): only
         requests with the same tenant and salt reuse each other's KV (prefix blocks, chunks, shared
         prompts). The server sets ``tenant`` from the API key; "" / None is the default namespace.
@@ -59,6 +62,7 @@ class GenerateRequest:
     sparse: str | SparsePolicy | None = "auto"
     kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
     # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
+    repair_loops: bool = True
     tenant: str = ""
     cache_salt: str | None = None
 
@@ -114,6 +118,8 @@ class GenerateRequest:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.stop_at_eos, bool) or not isinstance(self.store_prompt, bool):
             raise ValueError("stop_at_eos and store_prompt must be true or false")
+        if not isinstance(self.repair_loops, bool):
+            raise ValueError(f"repair_loops must be true or false, got {self.repair_loops!r}")
 
     @property
     def namespace(self) -> Namespace:

@@ -96,7 +96,9 @@ class Sequence:
     prefill_queries: queries captured at prefill (when asked for), so a fork can run SnapKV / H2O.
     blocks: summaries of the cache's complete blocks, computed as the prefill wrote them (the sparse
         decoder reads and extends them); summarise_s: the time that took (within the TTFT).
-    emitted: how many of ``tokens`` were handed to a streaming callback.
+    emitted: how many of ``tokens`` were emitted (handed to a streaming callback, or passed over without
+        one). delivered: how many a callback received: they are the client's and are never taken back
+        (:mod:`semkv.loop_repair` may drop later ones).
     """
 
     request: GenerateRequest
@@ -119,6 +121,7 @@ class Sequence:
     store_s: float = 0.0
     stored: bool = False
     emitted: int = 0
+    delivered: int = 0
     stop_requested: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -164,6 +167,7 @@ class Sequence:
         while self.emitted < len(self.tokens) and not self.stop_requested:
             token = self.tokens[self.emitted]
             self.emitted += 1
+            self.delivered = self.emitted
             if self.request.stop_at_eos and token in self.eos_ids:
                 break
             if on_token(token) is False:

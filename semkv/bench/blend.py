@@ -248,9 +248,15 @@ def _selection_shares(tokenizer, case: BenchCase, rows: list[int]) -> tuple[floa
     return first / inside, (gold / inside if case.gold else None)
 
 
-def run_row(engine: Engine, spec: RowSpec, case: BenchCase, max_new: int) -> dict[str, Any]:
+def run_row(
+    engine: Engine, spec: RowSpec, case: BenchCase, max_new: int, repair_loops: bool = True
+) -> dict[str, Any]:
     options: dict[str, Any] = dict(
-        chunks=case.chunks, reuse=spec.reuse, max_new_tokens=max_new, store_prompt=False
+        chunks=case.chunks,
+        reuse=spec.reuse,
+        max_new_tokens=max_new,
+        store_prompt=False,
+        repair_loops=repair_loops,
     )
     if spec.config is not None:
         options["blend"] = spec.config
@@ -267,9 +273,11 @@ def run_cases(
     specs: list[RowSpec],
     max_new: int,
     on_case: Callable[[dict[str, list[dict]]], None] | None = None,
+    repair_loops: bool = True,
 ) -> dict[str, list[dict]]:
     """Per row label, one record per case (rows interleaved per case). ``specs[0]`` must be full
-    prefill: its first-token logits are every row's KL reference."""
+    prefill: its first-token logits are every row's KL reference. ``repair_loops``: the requests'
+    :mod:`semkv.loop_repair` switch (a repair's time is in the answer's decode time, not in TTFT)."""
     if specs[0].label != "full prefill":
         raise ValueError("the first row must be full prefill (the reference)")
     results: dict[str, list[dict]] = {s.label: [] for s in specs}
@@ -281,7 +289,7 @@ def run_cases(
         for i, case in enumerate(tqdm(cases, desc=f"{workload.name} sink={group[0].sink}", unit="q")):
             engine.add_chunks(case.chunks, sink_config)
             for spec in group:
-                out = run_row(engine, spec, case, max_new)
+                out = run_row(engine, spec, case, max_new, repair_loops)
                 full = out["logits"] if spec is specs[0] else results[specs[0].label][i]["logits"]
                 results[spec.label].append(_record(engine, workload, case, spec, out, full))
             if on_case is not None:
@@ -303,6 +311,7 @@ def _record(
         "prompt_tokens": stats["prompt_tokens"],
         "recomputed": stats["recomputed_tokens"],
         "loop": metrics.degenerate_loop(out["token_ids"]),
+        "repaired": "loop_repair" in stats,
         "kl": metrics.logit_kl(full_logits, out["logits"]),
         "top1": metrics.top1_agree(full_logits, out["logits"]),
     }
@@ -353,6 +362,7 @@ def summarise(variant: str, label: str, records: list[dict], full: list[dict]) -
             ]
         ),
         "loops": sum(r["loop"] for r in records),
+        "repaired": sum(r.get("repaired", False) for r in records),  # shards from before the repair: none
         "recomputed": _mean([r["recomputed"] for r in records]),
     }
     diff = metrics.paired_difference([r["f1"] for r in records], [f["f1"] for f in full])
@@ -383,6 +393,7 @@ COLUMNS = [
     "top1",
     "agree_full",
     "loops",
+    "repaired",
     "recomputed",
     "first8",
     "gold_share",
@@ -525,6 +536,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--row", action="append", default=None, help="SELECTOR@RATIO rows instead of the product"
     )
     parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-caching-only row")
+    parser.add_argument(
+        "--no-repair-loops",
+        action="store_true",
+        help="decode blend answers without loop repair (semkv/loop_repair.py), as before it existed",
+    )
     parser.add_argument("--no-zero-row", action="store_true", help="skip the full-reuse (ratio 0) row")
     parser.add_argument("--ablation-questions", type=int, default=0, help="deviation ablation on the first N")
     parser.add_argument("--ablation-ratio", type=float, default=0.15)
@@ -555,8 +571,9 @@ def _notes_for(first_workload: str) -> str:
         + "f1_diff = mean paired F1 difference to full prefill with its 95% interval [f1_low, f1_high], "
         "gained / lost = questions scored higher / lower; kl = KL(full || row) of the first generated token; "
         "agree_full = same normalised answer as full prefill; loops = answers whose last 12 tokens repeat "
-        "a 3-gram 3+ times; first8 / gold_share = share of the selected chunk tokens among the first 8 of their "
-        "chunk / inside the gold chunks.\n"
+        "a 3-gram 3+ times (after loop repair); repaired = answers loop repair recomputed and rolled back "
+        "(semkv/loop_repair.py; off with --no-repair-loops); first8 / gold_share = share of the selected "
+        "chunk tokens among the first 8 of their chunk / inside the gold chunks.\n"
     )
 
 
@@ -607,7 +624,9 @@ def run(args: argparse.Namespace) -> int:
             per_question[workload.name] = _per_question(results)
             write(done + summarise_all(workload.name, labels, results))
 
-        results = run_cases(engine, workload, workload.cases, specs, args.max_new_tokens, progress)
+        results = run_cases(
+            engine, workload, workload.cases, specs, args.max_new_tokens, progress, not args.no_repair_loops
+        )
         per_question[workload.name] = _per_question(results)
         rows += summarise_all(workload.name, labels, results)
         if index == 0 and args.ablation_questions > 0:

@@ -1,0 +1,133 @@
+"""Loop repair: an answer decoded from inexact reused KV that starts repeating itself is recomputed exactly.
+
+Why (measured). Blend and share reuse KV computed in another context; on our small models a decode step
+now and then copies from a row whose reused KV misleads it, and the answer degenerates into a loop that
+full prefill never produces: HotpotQA test split, SmolLM2, 4K tokens, ``query`` at ratio 0.15: "Michele
+Marie Marie Marie Marie ..." where full prefill answers "Michele Marie Bachmann is ...", and "... of the
+International Community of the International Community of ..." (2 loops in 220 answers against full
+prefill's 0; ``deviation`` 0.15: "Google for Education, Google for Education,").
+
+What happens. After every decode step of a sequence whose prefill was inexact, the generated tokens are
+checked for a repetition (:func:`find_repetition`: the answer ends in three or more copies of a pattern
+of at most ``MAX_PERIOD`` tokens, spanning at least ``MIN_SPAN`` tokens: a loop as the blend bench counts
+one; two copies are often an echo full prefill writes too, "The answer is: 2015 2015"). The first time
+one shows up, the sequence is repaired once (:func:`repair`): the tokens after the pattern's first copy
+that no client has received yet are dropped, every cache row after the exact prefix is recomputed in place
+over the kept tokens (the KV full prefill would have there), and the next token is sampled from the
+recomputed logits; if part of the later copies was already streamed, the token that would continue the
+pattern is excluded from that one sample.
+
+Tried first: recomputing without the rollback. The exact model then carries on the repetition it sees in
+its own answer ("Marie Marie Marie ..." stayed a loop); rolled back to the first copy it answered as full
+prefill does ("Michele Marie Bachmann is 101 years ...").
+
+Cost: one exact recompute of the reused rows (about a full prefill's time) per repaired answer, added to
+its decode time (and to the batch step it happens in); nothing when no repetition shows up. Answers whose
+prefill was exact, teacher-forced steps and sparse decodes (whose block summaries would go stale) are
+never touched. ``GenerateRequest(repair_loops=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from semkv.models.runtime import Runtime
+from semkv.reuse.selective import forward_fixed_rows
+from semkv.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+MAX_PERIOD = 8  # longest repeated pattern looked for (tokens)
+MIN_COPIES = 3  # a loop, as the bench counts one (a 3-gram 3+ times); two copies are an echo ("2015\n\n2015")
+MIN_SPAN = 4  # the repeated tail must span at least this many tokens ("Marie" x 4)
+
+
+@dataclass(frozen=True)
+class Repetition:
+    """A repeated tail: ``period`` tokens long, its second copy starting at ``onset`` (tokens before it are
+    the answer up to the end of the pattern's first copy)."""
+
+    period: int
+    onset: int
+
+
+def find_repetition(
+    tokens: list[int], max_period: int = MAX_PERIOD, min_span: int = MIN_SPAN, min_copies: int = MIN_COPIES
+) -> Repetition | None:
+    """The shortest period p <= ``max_period`` whose last max(min_copies, ceil(min_span / p)) copies make up
+    the end of ``tokens``, or None. E.g. [a, b, x, x, x, x] -> period 1, onset 3; [a, b, c, b, c, b, c] ->
+    period 2, onset 3; [a, b, c, b, c] -> None (two copies)."""
+    for period in range(1, max_period + 1):
+        copies = max(min_copies, -(-min_span // period))
+        span = copies * period
+        if len(tokens) < span:
+            break
+        tail = tokens[-span:]
+        if all(tail[i] == tail[i % period] for i in range(period, span)):
+            return Repetition(period, len(tokens) - span + period)
+    return None
+
+
+def wants_repair(seq: Sequence) -> bool:
+    """The sequence's answer comes from inexact KV, is decoded densely, asks for repair and has none yet."""
+    return (
+        seq.request.repair_loops
+        and not seq.outcome.exact
+        and seq.sparse is None
+        and "loop_repair" not in seq.notes
+        and not seq.finished
+    )
+
+
+def repair(runtime: Runtime, seq: Sequence) -> bool:
+    """Repair ``seq`` if its answer ends in a repetition (see the module docstring); True if it did.
+
+    The cache holds the prompt + ``seq.tokens[:-1]``; afterwards it holds the prompt + the kept tokens,
+    every row after ``outcome.info["exact_prefix_rows"]`` (0 if the path gives none) recomputed, and
+    ``seq.tokens`` is the kept tokens + one token sampled from the recomputed logits.
+    """
+    found = find_repetition(seq.tokens)
+    if found is None:
+        return False
+    started = time.perf_counter()
+    keep = max(found.onset, seq.delivered)
+    banned = seq.tokens[keep - found.period] if keep > found.onset else None
+    cache = seq.cache
+    exact = min(int(seq.outcome.info.get("exact_prefix_rows", 0)), seq.prompt_tokens)
+    cache.truncate(seq.prompt_tokens + keep)
+    logits = recompute_rows(runtime, seq, exact)
+    dropped = len(seq.tokens) - keep
+    del seq.tokens[keep:]
+    seq.emitted = min(seq.emitted, keep)
+    if banned is not None:
+        logits = logits.clone()
+        logits[banned] = float("-inf")
+    seq.sample(logits)
+    seq.notes["loop_repair"] = record(found, keep, dropped, cache.length - exact, started)
+    log.info("repaired a looping answer: %s", seq.notes["loop_repair"])
+    return True
+
+
+def recompute_rows(runtime: Runtime, seq: Sequence, first: int) -> Tensor:
+    """Recompute cache rows [first, length) in place, every layer; the last row's logits [V] (float32)."""
+    rows = torch.arange(seq.cache.length - first)
+    logits = forward_fixed_rows(runtime, seq.cache, first, rows)
+    assert logits is not None
+    return logits.float()
+
+
+def record(found: Repetition, keep: int, dropped: int, rows: int, started: float) -> dict[str, Any]:
+    """What a repair did, for the sequence's stats."""
+    return {
+        "period": found.period,
+        "kept_tokens": keep,
+        "dropped_tokens": dropped,
+        "recomputed_rows": rows,
+        "seconds": round(time.perf_counter() - started, 4),
+    }

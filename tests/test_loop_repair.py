@@ -1,0 +1,166 @@
+"""Loop repair (``semkv/loop_repair.py``): a blend answer that starts repeating itself.
+
+Injected: a blended sequence (tiny llama, fp32, chunks precomputed) whose answer is teacher-forced into a
+repetition; the same sequence with the repetition partly streamed; an exact (full prefill) sequence, a
+request with ``repair_loops=False`` and a sparse decode with the same repetition. Must happen: the blended
+one is rolled back to the pattern's first copy, its rows after the exact prefix hold the KV full prefill
+computes for the kept tokens, and its next token is full prefill's; streamed tokens are never dropped and
+the token that would continue the pattern is not sampled again; the others are left alone; a repair
+happens once. The real loop (SmolLM2, a HotpotQA test question whose blend answer loops) is in
+``test_real_loop_is_repaired``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semkv.loop_repair import Repetition, find_repetition
+from semkv.request import GenerateRequest
+from semkv.reuse.options import BlendConfig
+from tests.conftest import require_embedded, tiny_hf_model
+
+CHUNKS = [
+    "The harbour of Varna holds forty fishing boats; most of them leave before dawn and return at noon.",
+    "Mira Olsen repairs nets in the old shed by the pier. She has done so for thirty-one years.",
+    "The lighthouse keeper, Ivo, lights the lamp at six and writes the weather in a green book.",
+]
+QUESTION = "Who repairs the nets, and where?"
+A, B, C, D = 1000, 1001, 1002, 1003
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ([A, B, C, C, C, C], Repetition(1, 3)),
+        ([A, B, C, D, B, C, D, B, C, D], Repetition(3, 4)),
+        ([A, B, C, B, C, B, C], Repetition(2, 3)),
+        ([A, B, C, D, B, C, D], None),  # two copies: an echo, not a loop
+        ([A, B, A], None),
+        ([A, C, C, C], None),  # period 1 needs 4 copies
+        ([A, B, C, A, B, D], None),
+        ([], None),
+    ],
+)
+def test_find_repetition(tokens, expected):
+    assert find_repetition(tokens) == expected
+
+
+def test_find_repetition_period_bound():
+    pattern = list(range(2000, 2009))  # 9 tokens: longer than MAX_PERIOD
+    assert find_repetition([A] + pattern * 3) is None
+    assert find_repetition([A] + pattern * 3, max_period=9) == Repetition(9, 10)
+    assert find_repetition([A] + pattern * 2, max_period=9, min_copies=2) == Repetition(9, 10)
+
+
+def engines(make_tiny_engine, tokenizer):
+    """Two tiny llamas with the same weights (wide enough that the output depends on the KV)."""
+    model = tiny_hf_model("llama", len(tokenizer), initializer_range=0.1)
+    blended, exact = make_tiny_engine("llama", hf_model=model), make_tiny_engine("llama", hf_model=model)
+    blended.add_chunks(CHUNKS, BlendConfig())
+    return blended, exact
+
+
+def forced(engine, feed: list[int], **options):
+    """A sequence whose answer is ``feed`` (teacher-forced; the last one not yet in the cache)."""
+    request = GenerateRequest(
+        prompt=QUESTION, chunks=CHUNKS, max_new_tokens=32, stop_at_eos=False, store_prompt=False, **options
+    )
+    seq = engine.prefill(request)
+    for token in feed[:-1]:
+        seq.tokens[-1] = token
+        engine.decode_step(seq, feed=token)
+    seq.tokens[-1] = feed[-1]
+    return seq
+
+
+def test_blend_repetition_rolls_back_to_exact_kv(make_tiny_engine, tokenizer):
+    """Kept: the answer up to the end of the pattern's first copy; KV and next token equal full prefill's."""
+    blended, exact = engines(make_tiny_engine, tokenizer)
+    answer = [A, B, C, D, B, C, D, B, C, D]  # "A (B C D) x 3": kept A B C D
+    seq = forced(blended, answer, reuse="blend", blend=BlendConfig(0.15, "query"))
+    assert not seq.outcome.exact
+    assert blended.repair_loop(seq)
+    reference = forced(exact, [A, B, C, D], reuse="none")  # full prefill of the prompt + the kept tokens
+    assert seq.tokens[:4] == [A, B, C, D] and len(seq.tokens) == 5
+    expected = int(torch.argmax(exact.runtime.decode(reference.cache, D, None)))
+    assert seq.tokens[4] == expected
+    assert seq.cache.length == reference.cache.length  # the prompt + A B C D (D fed by the decode above)
+    for layer in range(seq.cache.num_layers):
+        torch.testing.assert_close(
+            seq.cache.keys(layer), reference.cache.keys(layer)[:, : seq.cache.length], atol=1e-4, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            seq.cache.values(layer),
+            reference.cache.values(layer)[:, : seq.cache.length],
+            atol=1e-4,
+            rtol=1e-4,
+        )
+    note = seq.notes["loop_repair"]
+    assert (note["period"], note["kept_tokens"], note["dropped_tokens"]) == (3, 4, 6)
+    assert not blended.repair_loop(forced_again := seq) and forced_again.notes["loop_repair"] == note  # once
+
+
+def test_streamed_tokens_are_kept_and_the_pattern_not_continued(make_tiny_engine, tokenizer):
+    """Ten tokens "A (B C D) x 3" already reached a client when B is sampled: only B is dropped, and
+    the next token is full prefill's choice with B excluded (B would start a third copy). On this tiny model
+    full prefill would not pick B there anyway, so what this checks is the rollback and the exact logits,
+    not the exclusion itself."""
+    blended, exact = engines(make_tiny_engine, tokenizer)
+    seq = forced(blended, [A, B, C, D, B, C, D, B, C, D], reuse="blend", blend=BlendConfig(0.15, "query"))
+    seq.emit_pending(lambda token: True)
+    assert seq.delivered == 10
+    blended.decode_step(seq, feed=D)  # D goes into the cache; then B "is sampled":
+    seq.tokens[-1] = B
+    cache_rows = seq.cache.length
+    assert blended.repair_loop(seq)
+    assert seq.tokens[:10] == [A, B, C, D, B, C, D, B, C, D] and len(seq.tokens) == 11
+    reference = forced(exact, [A, B, C, D, B, C, D, B, C, D], reuse="none")
+    logits = (
+        exact.runtime.decode(reference.cache, D, None).float().clone()
+    )  # full prefill's next-token logits
+    logits[B] = float("-inf")
+    assert seq.tokens[10] == int(torch.argmax(logits)) != B  # from the exact KV, B excluded
+    assert seq.cache.length == cache_rows
+    assert seq.notes["loop_repair"]["dropped_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(reuse="none"),
+        dict(reuse="blend", repair_loops=False),
+        dict(reuse="blend", sparse="keykey", kv_budget=0.5),
+    ],
+    ids=["exact-prefill", "repair-off", "sparse"],
+)
+def test_left_alone(make_tiny_engine, tokenizer, options):
+    blended, _ = engines(make_tiny_engine, tokenizer)
+    seq = forced(blended, [A, B, C, D, B, C, D, B, C, D], **options)
+    tokens, rows = list(seq.tokens), seq.cache.length
+    assert not blended.repair_loop(seq)
+    assert seq.tokens == tokens and seq.cache.length == rows and "loop_repair" not in seq.notes
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="repair_loops"):
+        GenerateRequest(prompt="x", repair_loops="yes")
+
+
+@pytest.mark.slow
+def test_real_loop_is_repaired(make_smol_engine):
+    """SmolLM2, HotpotQA test position 40 (~4K tokens): blend ``query`` at 0.15 answers "Michele Marie Marie
+    Marie ..." without repair; with it, full prefill's answer."""
+    require_embedded("smollm2-135m")
+    from semkv.bench.blend import hotpot_workload
+
+    engine = make_smol_engine(kv_dtype="float16", compute_dtype="auto", memory_bytes=1 << 30)
+    case = hotpot_workload(engine.tokenizer, "test", 1, 40, 4096, 0).cases[0]
+    engine.add_chunks(case.chunks, BlendConfig())
+    ask = dict(messages=case.messages, chunks=case.chunks, max_new_tokens=20, store_prompt=False)
+    full = engine.generate(reuse="none", **ask)
+    looping = engine.generate(reuse="blend", blend=BlendConfig(0.15, "query"), repair_loops=False, **ask)
+    repaired = engine.generate(reuse="blend", blend=BlendConfig(0.15, "query"), **ask)
+    assert "Marie Marie Marie" in looping.text and "loop_repair" not in looping.stats
+    assert repaired.stats["loop_repair"]["period"] == 1
+    assert repaired.text == full.text
