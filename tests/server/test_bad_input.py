@@ -85,6 +85,7 @@ WRONG = [
     ({"semkv": {"reuse": 3}}, "semkv"),
     ({"semkv": {"store_prompt": "x", "unknown_option": 1}}, "semkv.unknown_option"),
     ({"semkv": {"max_new_tokens": 5}}, "semkv.max_new_tokens"),
+    ({"semkv": {"repair_loops": "yes"}}, "semkv.repair_loops"),
     ({"semkv": {"on_token": "print"}}, "semkv.on_token"),
 ]
 
