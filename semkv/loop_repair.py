@@ -75,13 +75,16 @@ def find_repetition(
 
 
 def wants_repair(seq: Sequence) -> bool:
-    """The sequence's answer comes from inexact KV, is decoded densely, asks for repair and has none yet."""
+    """The sequence's answer comes from inexact KV, is decoded densely, asks for repair, has none yet and was
+    not ended by EOS or a client. One that just reached ``max_new_tokens`` still qualifies: the rollback
+    makes room, and decoding goes on."""
     return (
         seq.request.repair_loops
         and not seq.outcome.exact
         and seq.sparse is None
         and "loop_repair" not in seq.notes
-        and not seq.finished
+        and not seq.stop_requested
+        and not seq.ends_with_eos()
     )
 
 

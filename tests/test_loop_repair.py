@@ -61,10 +61,15 @@ def engines(make_tiny_engine, tokenizer):
     return blended, exact
 
 
-def forced(engine, feed: list[int], **options):
+def forced(engine, feed: list[int], max_new_tokens: int = 32, **options):
     """A sequence whose answer is ``feed`` (teacher-forced; the last one not yet in the cache)."""
     request = GenerateRequest(
-        prompt=QUESTION, chunks=CHUNKS, max_new_tokens=32, stop_at_eos=False, store_prompt=False, **options
+        prompt=QUESTION,
+        chunks=CHUNKS,
+        max_new_tokens=max_new_tokens,
+        stop_at_eos=False,
+        store_prompt=False,
+        **options,
     )
     seq = engine.prefill(request)
     for token in feed[:-1]:
@@ -123,6 +128,18 @@ def test_streamed_tokens_are_kept_and_the_pattern_not_continued(make_tiny_engine
     assert seq.tokens[10] == int(torch.argmax(logits)) != B  # from the exact KV, B excluded
     assert seq.cache.length == cache_rows
     assert seq.notes["loop_repair"]["dropped_tokens"] == 1
+
+
+def test_repetition_at_the_token_limit_is_repaired_and_decoding_goes_on(make_tiny_engine, tokenizer):
+    """The loop fills the answer up to max_new_tokens: the rollback makes room and the answer is decoded on
+    to its full length from the exact KV."""
+    blended, _ = engines(make_tiny_engine, tokenizer)
+    answer = [A, B, C, D, B, C, D, B, C, D]
+    seq = forced(blended, answer, max_new_tokens=len(answer), reuse="blend", blend=BlendConfig(0.15, "query"))
+    assert seq.finished
+    assert blended.repair_loop(seq) and not seq.finished and len(seq.tokens) == 5
+    blended.decode(seq)
+    assert len(seq.tokens) == len(answer) and seq.tokens[:4] == [A, B, C, D]
 
 
 @pytest.mark.parametrize(
