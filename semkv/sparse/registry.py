@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from semkv.sparse.base import Budget, SparsePolicy
@@ -31,10 +32,16 @@ POLICIES: dict[str, type[SparsePolicy]] = {
 
 
 def make_policy(name: str, **options: Any) -> SparsePolicy:
-    """A policy from the registry by name; ``options`` are its dataclass fields."""
+    """A policy from the registry by name; ``options`` are its public dataclass fields (a ValueError names
+    an unknown one)."""
     if name not in POLICIES:
         raise ValueError(f"unknown sparse policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return POLICIES[name](**options)
+    cls = POLICIES[name]
+    known = {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of sparse policy {name!r}; known: {sorted(known)}")
+    return cls(**options)
 
 
 AUTO = "auto"  # the engine picks the policy (and budget) its calibrated profile measured best

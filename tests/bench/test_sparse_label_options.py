@@ -44,6 +44,7 @@ def test_tuple_options_with_dense_layers():
         ("probe:exact_layers=(-1,)", "exact_layers must be distinct layer indices"),
         ("probe:exact_keys=True", "exact_keys needs exact_layers"),
         ("probe:head_agg=mass", "head_agg of run label .* must be a Python literal"),
+        ("probe:exact_layer=(3,)", "unknown option.*exact_layer"),
     ],
 )
 def test_bad_option_labels_are_refused(label, message):

@@ -23,6 +23,15 @@ def test_unknown_policy(sparse):
         make_policy(sparse)
 
 
+@pytest.mark.parametrize(
+    ("name", "option"), [("probe", "exact_layer"), ("keykey", "anchors"), ("quest", "_x")]
+)
+def test_unknown_policy_option(name, option):
+    """An option the policy has no public field for is a ValueError naming it (not a TypeError)."""
+    with pytest.raises(ValueError, match=f"unknown option.*{option}"):
+        make_policy(name, **{option: 1})
+
+
 @pytest.mark.parametrize("budget", [0, 0.0, -0.1, 1.5, -3, True, "0.1", float("nan")])
 def test_bad_budget(budget):
     with pytest.raises(ValueError, match="kv_budget"):
