@@ -95,7 +95,9 @@ class Sequence:
     sparse: the request's sparse decoder, or None for dense decoding.
     prefill_queries: queries captured at prefill (when asked for), so a fork can run SnapKV / H2O.
     blocks: summaries of the cache's complete blocks, computed as the prefill wrote them (the sparse
-        decoder reads and extends them); summarise_s: the time that took (within the TTFT).
+        decoder reads and extends them); summarise_s: the time that took (within the TTFT). A dense
+        request's prompt blocks are summarised after its first token, when its prompt is stored or it is
+        forked (then summarise_s is not in the TTFT).
     emitted: how many of ``tokens`` were emitted (handed to a streaming callback, or passed over without
         one). delivered: how many a callback received: they are the client's and are never taken back
         (:mod:`semkv.loop_repair` may drop later ones).

@@ -124,9 +124,44 @@ def test_fork_copies_the_summaries(make_tiny_engine):
     """A fork's decode extends its own copy; the original's summaries stay as they were."""
     engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
     base = engine.prefill(_request(reuse="none", sparse=None))
-    before = base.blocks.num_complete
     fork = engine.fork(base, sparse="keykey", kv_budget=0.2)
+    before = base.blocks.num_complete
+    assert before == base.prompt_tokens // BLOCK
     assert fork.blocks is not base.blocks and fork.sparse.index is fork.blocks
     engine.decode(fork)
     assert fork.blocks.num_complete > before == base.blocks.num_complete
     assert_index_matches_cache(fork.blocks)
+
+
+def test_dense_request_summarises_after_its_first_token(make_tiny_engine):
+    """A dense request's TTFT holds no block summarising: its prompt blocks are summarised when its prompt
+    is stored (so the stored blocks still carry summaries) or when it is forked into a sparse decode."""
+    engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
+    seq = engine.prefill(_request(reuse="none", sparse=None))
+    assert seq.sparse is None and seq.blocks is not None
+    assert seq.blocks.num_complete == 0 and seq.summarise_s < 0.05
+    engine.decode_step(seq)
+    fork = engine.fork(seq, sparse="keykey", kv_budget=0.2)
+    assert fork.blocks.num_complete == seq.blocks.num_complete == seq.prompt_tokens // BLOCK
+    assert_index_matches_cache(fork.blocks)
+    engine.store_prefill(seq)
+    keys = prefix_block_keys(engine.fingerprint, BLOCK, seq.layout.token_ids)
+    stored = engine.store.get(keys[-1])
+    assert stored is not None and {SUMMARY_EXTRA + k for k in SUMMARY_KINDS} <= set(stored.extras)
+    second = engine.prefill(_request(reuse="prefix"))
+    assert second.outcome.path == "prefix" and second.blocks.computed_blocks == 0
+    for kind in SUMMARY_KINDS:  # carried from the store, bit for bit
+        assert torch.equal(
+            second.blocks.summary(kind), seq.blocks.summary(kind)[:, :, : second.blocks.num_complete]
+        )
+
+
+def test_dense_request_stores_summaries_without_a_fork(make_tiny_engine):
+    """Storing a dense request's prompt summarises its blocks first: the stored blocks carry summaries."""
+    engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
+    seq = engine.prefill(_request(reuse="none", sparse=None))
+    engine.store_prefill(seq)
+    assert seq.blocks.num_complete == seq.prompt_tokens // BLOCK
+    assert_index_matches_cache(seq.blocks)
+    keys = prefix_block_keys(engine.fingerprint, BLOCK, seq.layout.token_ids)
+    assert {SUMMARY_EXTRA + k for k in SUMMARY_KINDS} <= set(engine.store.get(keys[0]).extras)
