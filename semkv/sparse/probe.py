@@ -87,8 +87,8 @@ def head_block_mass(
     q, keys = q.float(), keys.float()
     *lead, kvh, total, d = keys.shape
     nh, n = q.shape[-3], q.shape[-2]
-    grouped = q.reshape(*lead, kvh, nh // kvh, n, d)
-    logits = grouped @ keys.transpose(-1, -2).unsqueeze(-3) / math.sqrt(d)  # [..., kvh, g, n, R]
+    grouped = q.reshape(*lead, kvh, nh // kvh * n, d)  # one matrix product per KV head, not a broadcast one
+    logits = (grouped @ keys.transpose(-1, -2) / math.sqrt(d)).reshape(*lead, kvh, nh // kvh, n, total)
     if visible is not None:
         logits = logits.masked_fill(~visible, -math.inf)
     probs = torch.softmax(logits, dim=-1).reshape(*lead, nh, n, total)
@@ -321,9 +321,9 @@ class ProbePolicy(SparsePolicy):
                 torch.arange(span.stop * bs, length),  # the window, the new row last
             ]
         )
-        keys = torch.stack(
-            [view.cache.keys(layer).index_select(1, rows) for layer in layers]
-        )  # [L', kvh, R, d]
+        keys = torch.empty(len(layers), view.cache.num_kv_heads, rows.numel(), view.cache.head_dim)
+        for i, layer in enumerate(layers):  # [L', kvh, R, d] float32: one gather and one copy per layer
+            keys[i] = view.cache.keys(layer).index_select(1, rows)
         visible = torch.ones(len(layers), rows.numel(), dtype=torch.bool)
         visible[:, -1] = torch.tensor([layer == current for layer in layers])
         mass = head_block_mass(q.unsqueeze(2), keys, bs, size, visible[:, None, None, None])  # [L', nh, 1, S]
