@@ -31,6 +31,7 @@ from semkv.sparse.base import StepView, topk_blocks
 from semkv.sparse.index import BlockIndex, PrefillQueries, capture_prefill_queries
 from semkv.sparse.probe import ProbePolicy, mean_key_scores, window_block_scores
 from tests.conftest import tiny_hf_model
+from tests.sparse.test_probe_exact_layers import Capture  # per (step, layer): query and keys
 
 BLOCK = 4
 
@@ -133,20 +134,6 @@ def test_rescore_keeps_the_block_with_one_aligned_key():
 STEPS = 8
 CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8)
 RESCORE = 2.0
-
-
-class Capture:
-    """Wraps a decoder's gather hook: per (step, layer) the query [nh, d] and the keys [kvh, T, d]."""
-
-    def __init__(self, decoder: SparseDecoder) -> None:
-        self.decoder = decoder
-        self.seen: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def gather(self, layer: int, q_rot: torch.Tensor, cache):
-        picked = self.decoder.gather(layer, q_rot, cache)
-        step = len(self.decoder.records) - 1
-        self.seen[(step, layer)] = (q_rot[:, 0].float().clone(), cache.keys(layer).float().clone())
-        return picked
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["once-per-step", "every-layer-current-query"])
