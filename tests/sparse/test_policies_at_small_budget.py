@@ -3,7 +3,8 @@
 Injected: a tiny Llama (2 layers, 2 KV heads, head dim 16, KV float32), block size 4, a 200-token
 prompt, kv_budget 0.1, one sink block, an 8-token window, 12 decode steps; the decoder's gather hook
 wrapped to record what each layer attends to and which blocks are resident after it.
-Must happen, for every policy and the probe with exact layers (one parametrized matrix):
+Must happen, for every policy and the probe with exact layers or shortlist rescoring (one parametrized
+matrix):
 
 * the rows a layer attends to are exactly the sink rows, the window rows (the new token's included)
   and the rows of the blocks selected for it, each once: no hidden row leaks in, none of those is left
@@ -41,6 +42,8 @@ SPARSE_POLICIES = sorted(set(POLICIES) - {"dense"})
 MATRIX = [(name, {}) for name in SPARSE_POLICIES] + [
     ("probe", {"exact_layers": (1,)}),
     ("probe", {"exact_layers": (0,), "exact_keys": True}),
+    ("probe", {"rescore": 2.0}),
+    ("probe", {"exact_layers": (1,), "rescore": 20.0}),  # a shortlist longer than the candidates
 ]
 FED = [5, 17, 23, 42, 8, 99, 64, 3]  # teacher-forced decode tokens
 
