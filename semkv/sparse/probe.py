@@ -323,17 +323,22 @@ class ProbePolicy(SparsePolicy):
         size = min(scores.numel(), int(reserved.sum()) + math.ceil(self.rescore * view.budget))
         short = torch.topk(scores, size).indices  # candidate offsets: the reserved ones first
         bs, span, length = view.index.block_size, view.candidate_span(), view.cache.length
+        device = view.cache.device
         rows = torch.cat(
             [
-                ((short + span.start).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1),
-                torch.arange(span.start * bs),  # the sink
-                torch.arange(span.stop * bs, length),  # the window, the new row last
+                ((short.to(device) + span.start).unsqueeze(1) * bs + torch.arange(bs, device=device)).reshape(
+                    -1
+                ),
+                torch.arange(span.start * bs, device=device),  # the sink
+                torch.arange(span.stop * bs, length, device=device),  # the window, the new row last
             ]
         )
-        keys = torch.empty(len(layers), view.cache.num_kv_heads, rows.numel(), view.cache.head_dim)
+        keys = torch.empty(
+            len(layers), view.cache.num_kv_heads, rows.numel(), view.cache.head_dim, device=device
+        )
         for i, layer in enumerate(layers):  # [L', kvh, R, d] float32: one gather and one copy per layer
             keys[i] = view.cache.keys(layer).index_select(1, rows)
-        visible = torch.ones(len(layers), rows.numel(), dtype=torch.bool)
+        visible = torch.ones(len(layers), rows.numel(), dtype=torch.bool, device=device)
         visible[:, -1] = torch.tensor([layer == current for layer in layers])
         mass = head_block_mass(q.unsqueeze(2), keys, bs, size, visible[:, None, None, None])  # [L', nh, 1, S]
         out = torch.full_like(scores, -1.0)  # below every shortlisted block
