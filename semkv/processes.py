@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,11 +17,48 @@ from pathlib import Path
 import httpx
 
 
+class LoopbackPorts:
+    """Hands out loopback TCP ports nobody listens on, never the same one twice in a row of ``memory``.
+
+    A port is free when it is handed out, but the child that will listen on it binds it later: a second
+    ask in between could be given the same port by the kernel (two backends of one test then shared a
+    URL). This remembers the last ``memory`` ports it handed out and asks the kernel again for those."""
+
+    def __init__(self, memory: int = 4096) -> None:
+        if memory < 1:
+            raise ValueError(f"memory must be >= 1, got {memory}")
+        self._memory = memory
+        self._handed_out: dict[int, None] = {}  # insertion-ordered: the oldest is forgotten first
+        self._lock = threading.Lock()
+
+    @property
+    def remembered(self) -> tuple[int, ...]:
+        """The ports still remembered, oldest first."""
+        with self._lock:
+            return tuple(self._handed_out)
+
+    def take(self, attempts: int = 100) -> int:
+        """A port not listened on now and not handed out recently; OSError after ``attempts`` tries."""
+        with self._lock:
+            for _ in range(attempts):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                if port not in self._handed_out:
+                    self._handed_out[port] = None
+                    if len(self._handed_out) > self._memory:
+                        del self._handed_out[next(iter(self._handed_out))]
+                    return port
+        raise OSError(f"no loopback port that was not handed out recently after {attempts} tries")
+
+
+_PORTS = LoopbackPorts()
+
+
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nobody listens on right now, not handed out before by this process (recently:
+    see :class:`LoopbackPorts`), so children started one after the other never share one."""
+    return _PORTS.take()
 
 
 def pinned(cmd: list[str], cpus: Sequence[int] | None) -> list[str]:

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from semkv.models.kernels import GEMM_QUERY_ROWS, SPLIT_QUERY_ROWS, attention, gemm_attention
+from semkv.models.kernels import (
+    GEMM_QUERY_ROWS,
+    SPLIT_QUERY_ROWS,
+    attention,
+    gemm_attention,
+    gemm_query_groups,
+)
 
 
 def reference(q, k, v, q_pos, k_pos, scaling, window=None):
@@ -113,6 +119,7 @@ GEMM_CASES = {
     # name: (keys, queries, window, shuffle keys, queries at the end (suffix / decode))
     "scattered": (900, 5 * GEMM_QUERY_ROWS + 7, None, False, False),
     "scattered-window": (900, 3 * GEMM_QUERY_ROWS, 50, False, False),
+    "sparse-window": (2000, 40, 100, False, False),  # a blend probe's rows: few, far apart
     "unsorted-window": (600, 2 * GEMM_QUERY_ROWS, 70, True, False),
     "causal-prefix": (3 * GEMM_QUERY_ROWS + 5, 3 * GEMM_QUERY_ROWS + 5, None, False, True),
     "suffix-window": (700, 2 * GEMM_QUERY_ROWS, 90, False, True),
@@ -141,3 +148,16 @@ def test_gemm_kernel_matches_reference(name):
     low = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, k_pos, 0.25, window)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), expected, atol=3e-2, rtol=0)
+
+
+def test_window_groups_bound_the_keys_read():
+    """On a window layer, scattered queries in position order are grouped so that no group spans a window
+    or more (each reads at most ~2 windows of keys, not every key); without a window, or out of order,
+    groups are GEMM_QUERY_ROWS rows."""
+    q_pos = torch.tensor([0, 5, 130, 140, 900, 901, 902, 1999])
+    starts, ends = gemm_query_groups(q_pos, 100, True)
+    assert list(zip(starts, ends, strict=True)) == [(0, 2), (2, 4), (4, 7), (7, 8)]
+    assert gemm_query_groups(q_pos, None, True) == ([0], [8])
+    assert gemm_query_groups(q_pos, 100, False) == ([0], [8])
+    many = torch.arange(3 * GEMM_QUERY_ROWS)
+    assert gemm_query_groups(many, 10_000, True)[0] == [0, GEMM_QUERY_ROWS, 2 * GEMM_QUERY_ROWS]
