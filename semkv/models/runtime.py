@@ -25,7 +25,7 @@ from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
 from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
-from semkv.models.kernels import attention, batched_decode_attention, decode_products, in_order
+from semkv.models.kernels import GemmPlans, attention, batched_decode_attention, decode_products, in_order
 from semkv.models.precision import cast_model
 
 
@@ -337,10 +337,12 @@ class Runtime:
         )
         observer = cache.query_observer
         attend = getattr(selector, "attention", None) or attention
+        # the same position tensors at every layer until the active rows change, so attention plans carry over
+        q_pos, k_pos = positions, cache.valid_positions()
+        plans = GemmPlans()
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)
             rows = active + start
-            q_pos = positions[active]
             cos, sin = tables(layer)
             if active.numel() != count:
                 cos, sin = cos[active], sin[active]
@@ -381,10 +383,11 @@ class Runtime:
                 cache.keys(layer),
                 cache.values(layer),
                 q_pos,
-                cache.valid_positions(),
+                k_pos,
                 a.scaling(layer),
                 a.window(layer),
                 causal_prefix=fresh_prefix,
+                plans=plans,
             )
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden[-1:])[0]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.kernels import GemmPlans
 from semkv.models.runtime import LayerInputs, RopeTables, Runtime, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
@@ -209,12 +210,13 @@ class QueryProbe:
         scaling: float,
         window: int | None = None,
         causal_prefix: bool = False,
+        plans: GemmPlans | None = None,
     ) -> Tensor:
         """:func:`semkv.models.runtime.attention` for ``forward_rows``; on a recording layer the question
         rows' attention is computed here (:func:`question_attention`) and its weights recorded."""
         asking, self._asking = self._asking, None
         if asking is None:
-            return attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix)
+            return attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix, plans=plans)
         out = q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
         others = ~asking
         if bool(others.any()):
@@ -277,6 +279,8 @@ def forward_fixed_rows(
     hidden = a.embed(ids[rows]).float()
     everything = torch.arange(rows.numel(), device=runtime.device)
     last = a.num_layers - 1 if probe is None else min(probe.last, a.num_layers - 1)
+    k_pos = cache.valid_positions()  # one tensor for every layer, so attention plans carry over
+    plans = GemmPlans()
     for layer in range(last + 1):
         q, k, v = a.qkv(layer, hidden)
         cos, sin = tables(layer)
@@ -294,9 +298,10 @@ def forward_fixed_rows(
             cache.keys(layer),
             cache.values(layer),
             q_pos,
-            cache.valid_positions(),
+            k_pos,
             a.scaling(layer),
             a.window(layer),
+            plans=plans,
         )
         hidden = a.finish_layer(layer, hidden, out)
     return a.logits(hidden[-1:])[0]

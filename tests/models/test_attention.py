@@ -10,6 +10,7 @@ import torch
 from semkv.models.kernels import (
     GEMM_QUERY_ROWS,
     SPLIT_QUERY_ROWS,
+    GemmPlans,
     attention,
     gemm_attention,
     gemm_query_groups,
@@ -161,3 +162,25 @@ def test_window_groups_bound_the_keys_read():
     assert gemm_query_groups(q_pos, 100, False) == ([0], [8])
     many = torch.arange(3 * GEMM_QUERY_ROWS)
     assert gemm_query_groups(many, 10_000, True)[0] == [0, GEMM_QUERY_ROWS, 2 * GEMM_QUERY_ROWS]
+
+
+def test_gemm_plans_carry_over_layers_of_one_forward():
+    """A plan is made once per (position tensors, window) and reused by the next layers: the outputs are
+    bit-identical to planning afresh. Other position tensors with the same shape (a narrowed row set, a
+    different layer's window) get their own plan, never a stale one: a memo keyed on shapes alone fails."""
+    q, k, v, q_pos, k_pos = _case(7, 900, 3 * GEMM_QUERY_ROWS)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    plans = GemmPlans()
+    for window in (50, None, 50, None):
+        planned = attention(q, k, v, q_pos, k_pos, 0.25, window, plans=plans)
+        assert torch.equal(planned, attention(q, k, v, q_pos, k_pos, 0.25, window))
+    first = plans.plan(q_pos, k_pos, 50, torch.bfloat16, None)
+    assert plans.plan(q_pos, k_pos, 50, torch.bfloat16, None) is first
+    assert plans.plan(q_pos, k_pos, None, torch.bfloat16, None) is not first
+    shifted = q_pos.clone()
+    shifted[:-1] += 1  # same shape and dtype, other positions
+    got = attention(q, k, v, shifted, k_pos, 0.25, 50, plans=plans)
+    torch.testing.assert_close(
+        got.float(), reference(q.float(), k.float(), v.float(), shifted, k_pos, 0.25, 50), atol=3e-2, rtol=0
+    )
+    assert plans.plan(shifted, k_pos, 50, torch.bfloat16, None) is not first

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from semkv.models.kernels import GemmPlans
 from semkv.models.runtime import LayerInputs, attention
 
 
@@ -210,8 +211,9 @@ class ContextScaling:
         scaling: float,
         window: int | None = None,
         causal_prefix: bool = False,
+        plans: GemmPlans | None = None,
     ) -> Tensor:
-        out = attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix)
+        out = attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix, plans=plans)
         late = (q_pos >= self.context_end).nonzero().squeeze(1)
         if late.numel() == 0:
             return out
