@@ -19,8 +19,9 @@ Two probes share the budget:
 
 Per block, layer and query head the estimate is a softmax over blocks; ``head_agg="max"`` scores a block
 by its best head in each layer (a retrieval head that alone looks at a needle counts fully), ``"mass"``
-by the heads' mean; layers (and question tokens) are averaged. ``per_layer=True`` instead scores each
-layer with its own current query (exact, but one selection and one fast-tier map per layer).
+by the heads' mean; layers (and question tokens) are averaged. ``groups`` splits the selecting layers
+into contiguous groups with a selection each; ``exact_layers`` scores chosen layers with their own
+current query (below).
 
 ``exact_layers`` gives chosen layers their own selection, scored with their own current query just before
 they attend; the selecting layers between them keep one shared choice per contiguous run (chosen at the
