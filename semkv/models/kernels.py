@@ -313,8 +313,9 @@ class GemmPlans:
     attends the same query rows over the same keys (per window size), so the plan (~1 ms per window layer
     for a blend's ~660 scattered rows at 4K keys, ~20 ms per blend on Gemma 3) is made once.
 
-    A plan is found again only for the very same ``q_pos`` and ``k_pos`` tensor objects (held here, so
-    their ids stay theirs); the caller must not change their values in place while this object lives.
+    A plan is found again only for the very same ``q_pos`` and ``k_pos`` tensor objects: it is keyed by
+    their ids and holds them, so no other tensor can take those ids while it lives. The caller must not
+    change their values in place while this object lives.
     """
 
     def __init__(self) -> None:
@@ -326,12 +327,9 @@ class GemmPlans:
         self, q_pos: Tensor, k_pos: Tensor, window: int | None, dtype: torch.dtype, ordered: bool | None
     ) -> GemmPlan:
         key = (id(q_pos), id(k_pos), window, dtype, ordered)
-        found = self._plans.get(key)
-        if found is not None and found[0] is q_pos and found[1] is k_pos:
-            return found[2]
-        made = GemmPlan.make(q_pos, k_pos, window, dtype, ordered)
-        self._plans[key] = (q_pos, k_pos, made)
-        return made
+        if key not in self._plans:
+            self._plans[key] = (q_pos, k_pos, GemmPlan.make(q_pos, k_pos, window, dtype, ordered))
+        return self._plans[key][2]
 
 
 def gemm_query_groups(q_pos: Tensor, window: int | None, ordered: bool) -> tuple[list[int], list[int]]:
