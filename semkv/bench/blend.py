@@ -365,6 +365,8 @@ def summarise(variant: str, label: str, records: list[dict], full: list[dict]) -
         "repaired": sum(r.get("repaired", False) for r in records),  # shards from before the repair: none
         "recomputed": _mean([r["recomputed"] for r in records]),
     }
+    paired = metrics.paired_speedup([f["ttft_s"] for f in full], [r["ttft_s"] for r in records])
+    row.update(speedup_paired=paired.ratio, speedup_low=paired.low, speedup_high=paired.high)
     diff = metrics.paired_difference([r["f1"] for r in records], [f["f1"] for f in full])
     row.update(f1_diff=diff.mean, f1_low=diff.low, f1_high=diff.high, gained=diff.gained, lost=diff.lost)
     for key in ("first8", "gold_share"):
@@ -380,6 +382,9 @@ COLUMNS = [
     "prompt_tokens",
     "ttft_s",
     "speedup",
+    "speedup_paired",
+    "speedup_low",
+    "speedup_high",
     "em",
     "f1",
     "em_raw",
@@ -561,7 +566,9 @@ def _notes(workloads: list[Workload]) -> str:
 
 def _notes_for(first_workload: str) -> str:
     return (
-        "speedup = full-prefill TTFT median / row TTFT median (same run). em / f1: "
+        "speedup = full-prefill TTFT median / row TTFT median (same run); speedup_paired = geometric mean "
+        "of the per-question speed-ups (full prefill and the row on the same question, seconds apart) with "
+        "its 95% interval [speedup_low, speedup_high]. em / f1: "
         + (
             "HotpotQA's official scoring of the extracted answer (leading answer cues, first line, first "
             "sentence, no parenthetical asides); em_raw / f1_raw: of the generation's first line as is; "

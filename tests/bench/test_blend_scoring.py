@@ -56,3 +56,14 @@ def test_a_row_summary_means_extracted_and_raw_scores_and_agrees_on_extracted_an
     assert summary["em_raw"] == 0.0 and summary["f1_raw"] == pytest.approx((0.8 + 0.5) / 3)
     assert summary["agree_full"] == pytest.approx(2 / 3)  # first lines all differ; answers agree on two
     assert summary["f1_diff"] == pytest.approx(0.0)
+
+
+def test_a_row_summary_pairs_speed_ups_per_question():
+    """Full prefill 2 / 4 / 8 s, the row 1 / 1 / 4 s on the same questions: per-question speed-ups 2, 4, 2
+    (geometric mean 2^(4/3)); the ratio of medians (4 / 1 = 4) pairs no question with itself."""
+    full = [{**_record("1989", "1989"), "ttft_s": t} for t in (2.0, 4.0, 8.0)]
+    row = [{**_record("1989", "1989"), "ttft_s": t} for t in (1.0, 1.0, 4.0)]
+    summary = summarise("hotpotqa", "row", row, full)
+    assert summary["speedup"] == pytest.approx(4.0)
+    assert summary["speedup_paired"] == pytest.approx(2 ** (4 / 3))
+    assert summary["speedup_low"] < summary["speedup_paired"] < summary["speedup_high"]

@@ -27,6 +27,7 @@ from semkv.evaluation.metrics import (
     logit_kl,
     normalize_answer,
     paired_difference,
+    paired_speedup,
     rouge_l,
     t_quantile_95,
     top1_agree,
@@ -184,6 +185,19 @@ def test_paired_difference_hand_computed():
     assert worse.mean == pytest.approx(-4 / 15)
     assert worse.high == pytest.approx(-4 / 15 + 4.303 * sd / math.sqrt(3))
     assert (worse.gained, worse.lost) == (0, 2)
+
+
+def test_paired_speedup_is_the_geometric_mean_of_per_item_ratios():
+    """Baseline 4 / 9 / 2 s, method 1 / 3 / 4 s: ratios 4, 3, 0.5 (log ratios 2 ln2, ln3, -ln2)."""
+    s = paired_speedup([4.0, 9.0, 2.0], [1.0, 3.0, 4.0])
+    logs = [2 * math.log(2), math.log(3), -math.log(2)]
+    mean = sum(logs) / 3
+    half = 4.303 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2 / 3)
+    assert (s.n, s.faster, s.slower) == (3, 2, 1)
+    assert s.ratio == pytest.approx(6 ** (1 / 3))  # (4 * 3 * 0.5) ** (1/3)
+    assert (s.low, s.high) == (pytest.approx(math.exp(mean - half)), pytest.approx(math.exp(mean + half)))
+    with pytest.raises(ValueError, match="times > 0"):
+        paired_speedup([1.0, 0.0], [1.0, 1.0])
 
 
 def test_paired_difference_edge_cases():
