@@ -503,7 +503,7 @@ def run_merge(args: argparse.Namespace) -> int:
     notes = _notes_for(next(iter(merged.labels)) if merged.labels else "")
     if not merged.timings_valid:
         notes = (
-            "**ttft_s / speedup are not measurements**: a merged run held the lock shared (quality only).\n\n"
+            "**ttft_s and the speedup columns are not measurements**: a merged run held the lock shared (quality only).\n\n"
             + notes
         )
     out = Path(args.out)
