@@ -503,8 +503,8 @@ def run_merge(args: argparse.Namespace) -> int:
     notes = _notes_for(next(iter(merged.labels)) if merged.labels else "")
     if not merged.timings_valid:
         notes = (
-            "**ttft_s and the speedup columns are not measurements**: a merged run held the lock shared (quality only).\n\n"
-            + notes
+            "**ttft_s and the speedup columns are not measurements**: a merged run held the lock shared "
+            "(quality only).\n\n" + notes
         )
     out = Path(args.out)
     write_results(out, "blend", rows, config, COLUMNS, extra={"per_question": merged.results}, notes=notes)
