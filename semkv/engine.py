@@ -51,7 +51,7 @@ from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
-from semkv.store.keys import Namespace
+from semkv.store.keys import Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
 
@@ -255,7 +255,16 @@ class Engine:
                 started=start,
                 tail_prefill=isinstance(self.paths[plan.path], TailPrefillPath),
                 notes=sparse_notes,
+                stores_prefix_from=self._stores_prefix_from(request, plan),
             )
+
+    def _stores_prefix_from(self, request: GenerateRequest, plan: Plan) -> int | None:
+        """The first prompt block a prefill on ``plan`` computes and then stores as a prefix block (an
+        exact path stores every full block it did not load), or None when it stores none."""
+        exact = isinstance(self.paths[plan.path], TailPrefillPath)
+        if not exact or not request.store_prompt or "prefix" not in self.paths:
+            return None
+        return plan.reused_tokens // self.ctx.block_size
 
     def advance_prefill(self, job: PrefillJob, max_tokens: int | None = None) -> int:
         """Compute up to ``max_tokens`` more prompt tokens of ``job`` (None: all that is left); returns the
@@ -554,10 +563,17 @@ class Engine:
 
     def admission(self, request: GenerateRequest) -> Admission:
         """What admitting ``request`` costs the scheduler: prompt tokens, and its live cache's prompt +
-        ``max_new_tokens`` rows and their bytes. A ValueError if the prompt is empty or too long."""
-        prompt = len(self.layout(request))
-        rows = prompt + request.max_new_tokens
-        return Admission(prompt, rows * self.runtime.kv_bytes_per_token(), rows)
+        ``max_new_tokens`` rows and their bytes; the chained keys of its full prompt blocks in its cache
+        namespace when it may reuse a stored prefix (none under ``reuse="none"`` or without the prefix
+        path). A ValueError if the prompt is empty or too long."""
+        layout = self.layout(request)
+        rows = len(layout) + request.max_new_tokens
+        options = self.defaults.reuse_options(request)
+        keys: tuple[str, ...] = ()
+        block = self.ctx.block_size
+        if options.mode != "none" and "prefix" in self.paths:
+            keys = tuple(prefix_block_keys(self.fingerprint, block, layout.token_ids, options.namespace))
+        return Admission(len(layout), rows * self.runtime.kv_bytes_per_token(), rows, keys, block)
 
     def live_kv_bytes(self) -> int:
         """KV memory the runtime holds now (:meth:`Runtime.kv_held_bytes`): the decode arena, every slot

@@ -12,7 +12,12 @@
    full prefill goes in chunks over several steps, so running streams wait at most one chunk; while
    requests wait, the prefills in progress take at most half of the budget, so an arrival starts
    during a long prefill rather than after it; a prefill that completes gives its request's first
-   token in this step;
+   token in this step. While a prefill is in progress, a prompt that does not fit in what is left of
+   the step waits for it to finish (long prompts are prefilled one after another, not all at once,
+   so the first of a burst gets its first token early). A waiting request whose prompt starts with blocks a prefill in progress is
+   computing (same cache namespace, at least ``shared_prefix_wait_tokens`` of them) waits for it and
+   then loads them (prefix reuse) instead of computing them a second time; the requests behind it
+   may start meanwhile (see :meth:`Scheduler._waits_for_prefill`);
 3. decodes every sequence that was running before this step by one token, in one batched forward,
    and gives back the KV memory of the sequences that finished;
 4. returns a :class:`StepOutput` for each request that produced text or finished.
@@ -84,6 +89,12 @@ class PrefillWork(Protocol):
     @property
     def chunkable(self) -> bool: ...
 
+    @property
+    def stores_prefix_from(self) -> int | None:
+        """The first prompt block this prefill computes and then stores as a reusable prefix block (the
+        blocks before it were loaded from the store); None if it stores no prefix blocks."""
+        ...
+
 
 S = TypeVar("S", bound=RunningSequence)
 J = TypeVar("J", bound=PrefillWork)
@@ -92,11 +103,17 @@ J = TypeVar("J", bound=PrefillWork)
 @dataclass(frozen=True)
 class Admission:
     """What admitting a request costs: its prompt tokens (computed in the admitting step), the rows of its
-    live cache (prompt + max_new_tokens) and their bytes."""
+    live cache (prompt + max_new_tokens) and their bytes.
+
+    prefix_keys: the chained keys of the prompt's full blocks of ``prefix_block_size`` tokens, in its
+    cache namespace (equal leading keys = equal leading tokens, same namespace); empty when the request
+    reuses no prefix. Lets the scheduler see that a waiting request starts like a prefill in progress."""
 
     prompt_tokens: int
     kv_bytes: int
     kv_rows: int
+    prefix_keys: tuple[str, ...] = ()
+    prefix_block_size: int = 0
 
 
 class StepRunner(Protocol[S, J]):
@@ -178,6 +195,7 @@ class StepStats:
     step_s: float = 0.0
     prefilling: int = 0  # prefills still in progress after the step
     live_kv_bytes: int = 0  # KV memory held after the step (StepRunner.live_kv_bytes)
+    held_for_prefix: int = 0  # waiting requests held for a prefill in progress that computes their prefix
 
 
 @dataclass(eq=False)
@@ -192,6 +210,7 @@ class _Entry(Generic[S, J]):
     job: J | None = None
     seq: S | None = None
     stream: TextStream | None = None
+    shared_tokens: int = 0  # prompt tokens a prefill it waited for stores for it (it loads them)
 
 
 class Scheduler(Generic[S, J]):
@@ -286,7 +305,8 @@ class Scheduler(Generic[S, J]):
         for entry in list(self.prefilling):
             done, tokens = self._advance(entry, share - computed, computed, outputs)
             computed, completed = computed + tokens, completed + done
-        for entry in self._admit(outputs, budget - computed, computed):
+        admitted, held = self._admit(outputs, budget - computed, computed)
+        for entry in admitted:
             if self._begin(entry, outputs):
                 done, tokens = self._advance(entry, budget - computed, computed, outputs)
                 computed, completed = computed + tokens, completed + done
@@ -301,33 +321,86 @@ class Scheduler(Generic[S, J]):
             self.clock() - start,
             len(self.prefilling),
             self.runner.live_kv_bytes(),
+            held,
         )
         return outputs
 
     def _prefill_share(self, budget: int) -> int:
         """Tokens the prefills in progress may compute in this step: the whole budget, or half of it
-        while the first waiting request could be admitted (a free place in the batch and room for its
-        live KV), so a request arriving during a long chunked prefill starts in the next step instead of
-        after the whole prompt (the long prefill still advances by at least half a budget every step:
-        arrivals never starve it). A request that must wait for live KV anyway takes nothing from it."""
+        while a waiting request could start and finish its prefill in the other half (not held for these
+        prefills' blocks, :meth:`_waits_for_prefill`; a free place in the batch; room for its live KV),
+        so a short request arriving during a long chunked prefill gets its first token in the next step
+        instead of after the whole prompt (the long prefill still advances by at least half a budget
+        every step: arrivals never starve it). A longer prompt does not start while a prefill is in
+        progress (:meth:`_admit`): it takes nothing from it."""
+        half = max(1, budget // 2)
         if self.waiting and self.prefilling and self.num_running < self.config.max_running:
-            if self._head_fits_kv():
-                return max(1, budget // 2)
+            for entry in self.waiting:
+                need = self._admission(entry)
+                if need is None:
+                    return half  # ended by _admit
+                if self._waits_for_prefill(entry, need, []) or self._cost(entry) > budget - half:
+                    continue  # it does not start in this step
+                return half if self._fits_kv_now(entry) else budget
         return budget
 
-    def _head_fits_kv(self) -> bool:
-        """Whether the first waiting request's live KV fits beside what is held (admission goes in arrival
-        order: if it does not fit, no request is admitted in this step). A request that can never run (its
-        admission raises) counts as fitting: ``_admit`` ends it."""
+    def _fits_kv_now(self, entry: _Entry[S, J]) -> bool:
+        """Whether the live KV of ``entry`` (the first waiting request not held for a prefill) fits beside
+        what is held (admission goes in arrival order: if it does not fit, no request is admitted in this
+        step). A request that can never run (its admission raises) counts as fitting: ``_admit`` ends it."""
         if self.config.max_live_kv_bytes is None:
             return True
-        entry = self.waiting[0]
+        admission = self._admission(entry)
+        if admission is None:
+            return True
+        return self._kv_fits(self.runner.live_kv_bytes(), [admission])
+
+    def _cost(self, entry: _Entry[S, J]) -> int:
+        """Prompt tokens ``entry`` computes when it starts, as far as the scheduler knows: its prompt, less
+        what a prefill it waited for stored for it (a prefix hit found only when it is planned counts
+        whole). Its admission must be known."""
+        assert entry.admission is not None
+        return max(1, entry.admission.prompt_tokens - entry.shared_tokens)
+
+    def _admission(self, entry: _Entry[S, J]) -> Admission | None:
+        """The entry's admission (asked of the runner once); None if the request can never run."""
         if entry.admission is None:
             try:
                 entry.admission = self.runner.admission(entry.request)
             except ValueError:
+                return None
+        return entry.admission
+
+    def _waits_for_prefill(
+        self, entry: _Entry[S, J], need: Admission | None, admitted: list[_Entry[S, J]]
+    ) -> bool:
+        """Whether ``entry`` should wait for a prefill in progress (or one admitted earlier in this step)
+        that computes at least ``shared_prefix_wait_tokens`` of its prompt's leading blocks: once that
+        prefill is stored, the request loads them instead of computing them again. Blocks the other
+        prefill loaded from the store do not count (the request can load them now). A request admitted
+        in this step has no plan yet: it counts with every shared block but those a prefill it waited
+        for stored, so the waiting request starts a step later at most, when the rule can see what that
+        prefill computes."""
+        limit = self.config.shared_prefix_wait_tokens
+        if not limit or need is None or not need.prefix_keys:
+            return False
+        for other in [*self.prefilling, *admitted]:
+            theirs = other.admission
+            if theirs is None or theirs.prefix_block_size != need.prefix_block_size:
+                continue
+            if (
+                other.job is None
+            ):  # admitted in this step, not planned: it computes all but what it waited for
+                first: int | None = other.shared_tokens // need.prefix_block_size
+            else:
+                first = other.job.stores_prefix_from
+            if first is None:
+                continue
+            shared = _common_run(need.prefix_keys, theirs.prefix_keys)
+            if (shared - first) * need.prefix_block_size >= limit:
+                entry.shared_tokens = max(entry.shared_tokens, shared * need.prefix_block_size)
                 return True
-        return self._kv_fits(self.runner.live_kv_bytes(), [entry.admission])
+        return False
 
     def _kv_fits(self, held: int, admissions: list[Admission]) -> bool:
         """Whether ``held`` bytes plus what starting ``admissions`` adds stays within max_live_kv_bytes."""
@@ -367,16 +440,24 @@ class Scheduler(Generic[S, J]):
                 )
                 self._end(entry, "deadline", outputs, error)
 
-    def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> list[_Entry[S, J]]:
-        """Waiting requests to start in this step, in arrival order (none skips the queue): while the
-        step has token budget left (or computed nothing yet: a step always makes progress), the batch has
-        room and their live KV fits (see the module docstring)."""
+    def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> tuple[list[_Entry[S, J]], int]:
+        """Waiting requests to start in this step, in arrival order: while the step has token budget left
+        (or computed nothing yet: a step always makes progress), the batch has room and their live KV
+        fits (see the module docstring). Two exceptions to the order, each letting the requests behind
+        one start while it stays in its place: a request waiting for a prefill in progress that computes
+        its prefix (:meth:`_waits_for_prefill`), and, while a prefill is in progress, a request whose
+        prompt does not fit in what is left of the step (starting it would slow the prefills in progress
+        without finishing its own: the first token of every prompt in a burst would come late; it starts
+        when they are done). A request's cost against the budget is its prompt, less the tokens
+        a prefill it waited for stored for it (it loads them; a prefix hit found only when it is planned
+        still counts whole). Returns (the requests to start, how many were held that way)."""
         cfg = self.config
         admitted: list[_Entry[S, J]] = []
         starting: list[Admission] = []
         held = self.runner.live_kv_bytes() if cfg.max_live_kv_bytes is not None else 0
-        while self.waiting and self.num_running + len(admitted) < cfg.max_running:
-            entry = self.waiting[0]
+        index, held_for_prefix = 0, 0
+        while index < len(self.waiting) and self.num_running + len(admitted) < cfg.max_running:
+            entry = self.waiting[index]
             if entry.admission is None:
                 try:
                     entry.admission = self.runner.admission(entry.request)
@@ -384,9 +465,16 @@ class Scheduler(Generic[S, J]):
                     self._end(entry, "error", outputs, exc)
                     continue
             need = entry.admission
+            if self._waits_for_prefill(entry, need, admitted):
+                index, held_for_prefix = index + 1, held_for_prefix + 1
+                continue
+            cost = self._cost(entry)
             if budget <= 0 and (computed or admitted):
                 break
-            if not cfg.chunked_prefill and need.prompt_tokens > budget and (computed or admitted):
+            if self.prefilling and cost > budget:  # it would slow the prefills in progress, not finish:
+                index += 1  # it starts when they are done; a shorter request behind it may start now
+                continue
+            if not cfg.chunked_prefill and cost > budget and (computed or admitted):
                 break
             if not self._kv_fits(held, [*starting, need]):
                 if self.running or self.prefilling or admitted:
@@ -398,11 +486,11 @@ class Scheduler(Generic[S, J]):
                     )
                     self._end(entry, "error", outputs, error)
                     continue
-            self.waiting.popleft()
+            del self.waiting[index]
             admitted.append(entry)
             starting.append(need)
-            budget -= need.prompt_tokens
-        return admitted
+            budget -= cost
+        return admitted, held_for_prefix
 
     def _begin(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> bool:
         """Plan an admitted request; False if it failed (and ended)."""
@@ -534,3 +622,13 @@ class Scheduler(Generic[S, J]):
         entry.seq = entry.job = None  # the live cache is freed with the sequence
         with self._lock:
             self._live_ids.discard(entry.request_id)
+
+
+def _common_run(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
