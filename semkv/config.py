@@ -146,10 +146,6 @@ class SchedulerConfig:
         (each prompt + ``max_new_tokens`` rows). Admission waits while a request's cache does not fit
         (one starting in a free arena slot adds nothing); the arena grows, or shrinks, only within it
         (caches it has no room for decode on their own buffers). None = unbounded.
-    shared_prefix_wait_tokens: a waiting request whose prompt starts with at least this many tokens
-        (whole blocks) that a prefill in progress is computing, in the same cache namespace, waits for
-        that prefill to be stored and then loads them (prefix reuse) instead of computing them again
-        (SGLang's in-batch prefix caching); requests behind it may start meanwhile. 0 = never wait.
     """
 
     max_running: int = 8
@@ -157,7 +153,6 @@ class SchedulerConfig:
     max_waiting: int = 64
     max_live_kv_bytes: int | None = None
     chunked_prefill: bool = True
-    shared_prefix_wait_tokens: int = 128
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunked_prefill, bool):
@@ -168,9 +163,6 @@ class SchedulerConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        wait = self.shared_prefix_wait_tokens
-        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
-            raise ValueError(f"shared_prefix_wait_tokens must be an int >= 0 (0 = never wait), got {wait!r}")
 
 
 @dataclass

@@ -255,16 +255,7 @@ class Engine:
                 started=start,
                 tail_prefill=isinstance(self.paths[plan.path], TailPrefillPath),
                 notes=sparse_notes,
-                stores_prefix_from=self._stores_prefix_from(request, plan),
             )
-
-    def _stores_prefix_from(self, request: GenerateRequest, plan: Plan) -> int | None:
-        """The first prompt block a prefill on ``plan`` computes and then stores as a prefix block (an
-        exact path stores every full block it did not load), or None when it stores none."""
-        exact = isinstance(self.paths[plan.path], TailPrefillPath)
-        if not exact or not request.store_prompt or "prefix" not in self.paths:
-            return None
-        return plan.reused_tokens // self.ctx.block_size
 
     def advance_prefill(self, job: PrefillJob, max_tokens: int | None = None) -> int:
         """Compute up to ``max_tokens`` more prompt tokens of ``job`` (None: all that is left); returns the
@@ -574,6 +565,16 @@ class Engine:
         if options.mode != "none" and "prefix" in self.paths:
             keys = tuple(prefix_block_keys(self.fingerprint, block, layout.token_ids, options.namespace))
         return Admission(len(layout), rows * self.runtime.kv_bytes_per_token(), rows, keys, block)
+
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        """Leading prompt tokens a request would load as an exact stored prefix if it started now: its
+        full blocks found in the store from the first on (all but the last token at most)."""
+        found = 0
+        for key in admission.prefix_keys:
+            if not self.store.contains(key):
+                break
+            found += 1
+        return min(found * admission.prefix_block_size, admission.prompt_tokens - 1)
 
     def live_kv_bytes(self) -> int:
         """KV memory the runtime holds now (:meth:`Runtime.kv_held_bytes`): the decode arena, every slot

@@ -13,11 +13,9 @@
    requests wait, the prefills in progress take at most half of the budget, so an arrival starts
    during a long prefill rather than after it; a prefill that completes gives its request's first
    token in this step. While a prefill is in progress, a prompt that does not fit in what is left of
-   the step waits for it to finish (long prompts are prefilled one after another, not all at once,
-   so the first of a burst gets its first token early). A waiting request whose prompt starts with blocks a prefill in progress is
-   computing (same cache namespace, at least ``shared_prefix_wait_tokens`` of them) waits for it and
-   then loads them (prefix reuse) instead of computing them a second time; the requests behind it
-   may start meanwhile (see :meth:`Scheduler._waits_for_prefill`);
+   the step waits for it to finish instead of slowing it (a burst of long prompts is prefilled one
+   after another, so the first of them gets its first token early); a prompt's cost is what it
+   computes: its tokens less a stored exact prefix it will load (:meth:`StepRunner.cached_prompt_tokens`);
 3. decodes every sequence that was running before this step by one token, in one batched forward,
    and gives back the KV memory of the sequences that finished;
 4. returns a :class:`StepOutput` for each request that produced text or finished.
@@ -89,12 +87,6 @@ class PrefillWork(Protocol):
     @property
     def chunkable(self) -> bool: ...
 
-    @property
-    def stores_prefix_from(self) -> int | None:
-        """The first prompt block this prefill computes and then stores as a reusable prefix block (the
-        blocks before it were loaded from the store); None if it stores no prefix blocks."""
-        ...
-
 
 S = TypeVar("S", bound=RunningSequence)
 J = TypeVar("J", bound=PrefillWork)
@@ -102,12 +94,11 @@ J = TypeVar("J", bound=PrefillWork)
 
 @dataclass(frozen=True)
 class Admission:
-    """What admitting a request costs: its prompt tokens (computed in the admitting step), the rows of its
-    live cache (prompt + max_new_tokens) and their bytes.
+    """What admitting a request costs: its prompt tokens, the rows of its live cache (prompt +
+    max_new_tokens) and their bytes.
 
-    prefix_keys: the chained keys of the prompt's full blocks of ``prefix_block_size`` tokens, in its
-    cache namespace (equal leading keys = equal leading tokens, same namespace); empty when the request
-    reuses no prefix. Lets the scheduler see that a waiting request starts like a prefill in progress."""
+    prefix_keys: the chained keys of the prompt's full blocks of ``prefix_block_size`` tokens in its
+    cache namespace, for :meth:`StepRunner.cached_prompt_tokens`; empty when it reuses no prefix."""
 
     prompt_tokens: int
     kv_bytes: int
@@ -121,6 +112,10 @@ class StepRunner(Protocol[S, J]):
 
     def admission(self, request: GenerateRequest) -> Admission:
         """The request's cost; a ValueError if it can never run (empty, too long)."""
+        ...
+
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        """Leading prompt tokens the request would load rather than compute if it started now."""
         ...
 
     def begin_prefill(self, request: GenerateRequest) -> J:
@@ -195,7 +190,6 @@ class StepStats:
     step_s: float = 0.0
     prefilling: int = 0  # prefills still in progress after the step
     live_kv_bytes: int = 0  # KV memory held after the step (StepRunner.live_kv_bytes)
-    held_for_prefix: int = 0  # waiting requests held for a prefill in progress that computes their prefix
 
 
 @dataclass(eq=False)
@@ -210,7 +204,6 @@ class _Entry(Generic[S, J]):
     job: J | None = None
     seq: S | None = None
     stream: TextStream | None = None
-    shared_tokens: int = 0  # prompt tokens a prefill it waited for stores for it (it loads them)
 
 
 class Scheduler(Generic[S, J]):
@@ -305,8 +298,7 @@ class Scheduler(Generic[S, J]):
         for entry in list(self.prefilling):
             done, tokens = self._advance(entry, share - computed, computed, outputs)
             computed, completed = computed + tokens, completed + done
-        admitted, held = self._admit(outputs, budget - computed, computed)
-        for entry in admitted:
+        for entry in self._admit(outputs, budget - computed, computed):
             if self._begin(entry, outputs):
                 done, tokens = self._advance(entry, budget - computed, computed, outputs)
                 computed, completed = computed + tokens, completed + done
@@ -321,46 +313,32 @@ class Scheduler(Generic[S, J]):
             self.clock() - start,
             len(self.prefilling),
             self.runner.live_kv_bytes(),
-            held,
         )
         return outputs
 
     def _prefill_share(self, budget: int) -> int:
         """Tokens the prefills in progress may compute in this step: the whole budget, or half of it
-        while a waiting request could start and finish its prefill in the other half (not held for these
-        prefills' blocks, :meth:`_waits_for_prefill`; a free place in the batch; room for its live KV),
-        so a short request arriving during a long chunked prefill gets its first token in the next step
-        instead of after the whole prompt (the long prefill still advances by at least half a budget
-        every step: arrivals never starve it). A longer prompt does not start while a prefill is in
-        progress (:meth:`_admit`): it takes nothing from it."""
+        while a waiting request could start and finish its prefill in the other half (a free place in
+        the batch, room for its live KV), so a short request arriving during a long chunked prefill gets
+        its first token in the next step instead of after the whole prompt (the long prefill still
+        advances by at least half a budget every step: arrivals never starve it). A longer prompt does
+        not start while a prefill is in progress (:meth:`_admit`): it takes nothing from it."""
         half = max(1, budget // 2)
         if self.waiting and self.prefilling and self.num_running < self.config.max_running:
             for entry in self.waiting:
                 need = self._admission(entry)
                 if need is None:
-                    return half  # ended by _admit
-                if self._waits_for_prefill(entry, need, []) or self._cost(entry) > budget - half:
-                    continue  # it does not start in this step
-                return half if self._fits_kv_now(entry) else budget
+                    return half  # it can never run: _admit ends it
+                if self._cost(need) <= budget - half:
+                    return half if self._fits_kv_now(need) else budget
         return budget
 
-    def _fits_kv_now(self, entry: _Entry[S, J]) -> bool:
-        """Whether the live KV of ``entry`` (the first waiting request not held for a prefill) fits beside
-        what is held (admission goes in arrival order: if it does not fit, no request is admitted in this
-        step). A request that can never run (its admission raises) counts as fitting: ``_admit`` ends it."""
+    def _fits_kv_now(self, need: Admission) -> bool:
+        """Whether a request's live KV fits beside what is held (admission goes in arrival order: if it
+        does not fit, no request is admitted in this step)."""
         if self.config.max_live_kv_bytes is None:
             return True
-        admission = self._admission(entry)
-        if admission is None:
-            return True
-        return self._kv_fits(self.runner.live_kv_bytes(), [admission])
-
-    def _cost(self, entry: _Entry[S, J]) -> int:
-        """Prompt tokens ``entry`` computes when it starts, as far as the scheduler knows: its prompt, less
-        what a prefill it waited for stored for it (a prefix hit found only when it is planned counts
-        whole). Its admission must be known."""
-        assert entry.admission is not None
-        return max(1, entry.admission.prompt_tokens - entry.shared_tokens)
+        return self._kv_fits(self.runner.live_kv_bytes(), [need])
 
     def _admission(self, entry: _Entry[S, J]) -> Admission | None:
         """The entry's admission (asked of the runner once); None if the request can never run."""
@@ -371,36 +349,10 @@ class Scheduler(Generic[S, J]):
                 return None
         return entry.admission
 
-    def _waits_for_prefill(
-        self, entry: _Entry[S, J], need: Admission | None, admitted: list[_Entry[S, J]]
-    ) -> bool:
-        """Whether ``entry`` should wait for a prefill in progress (or one admitted earlier in this step)
-        that computes at least ``shared_prefix_wait_tokens`` of its prompt's leading blocks: once that
-        prefill is stored, the request loads them instead of computing them again. Blocks the other
-        prefill loaded from the store do not count (the request can load them now). A request admitted
-        in this step has no plan yet: it counts with every shared block but those a prefill it waited
-        for stored, so the waiting request starts a step later at most, when the rule can see what that
-        prefill computes."""
-        limit = self.config.shared_prefix_wait_tokens
-        if not limit or need is None or not need.prefix_keys:
-            return False
-        for other in [*self.prefilling, *admitted]:
-            theirs = other.admission
-            if theirs is None or theirs.prefix_block_size != need.prefix_block_size:
-                continue
-            if (
-                other.job is None
-            ):  # admitted in this step, not planned: it computes all but what it waited for
-                first: int | None = other.shared_tokens // need.prefix_block_size
-            else:
-                first = other.job.stores_prefix_from
-            if first is None:
-                continue
-            shared = _common_run(need.prefix_keys, theirs.prefix_keys)
-            if (shared - first) * need.prefix_block_size >= limit:
-                entry.shared_tokens = max(entry.shared_tokens, shared * need.prefix_block_size)
-                return True
-        return False
+    def _cost(self, need: Admission) -> int:
+        """Prompt tokens a request computes if it starts now: its prompt less the stored exact prefix it
+        would load (a blend's or share's recompute counts whole: known only once planned)."""
+        return max(1, need.prompt_tokens - self.runner.cached_prompt_tokens(need))
 
     def _kv_fits(self, held: int, admissions: list[Admission]) -> bool:
         """Whether ``held`` bytes plus what starting ``admissions`` adds stays within max_live_kv_bytes."""
@@ -440,22 +392,19 @@ class Scheduler(Generic[S, J]):
                 )
                 self._end(entry, "deadline", outputs, error)
 
-    def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> tuple[list[_Entry[S, J]], int]:
+    def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> list[_Entry[S, J]]:
         """Waiting requests to start in this step, in arrival order: while the step has token budget left
         (or computed nothing yet: a step always makes progress), the batch has room and their live KV
-        fits (see the module docstring). Two exceptions to the order, each letting the requests behind
-        one start while it stays in its place: a request waiting for a prefill in progress that computes
-        its prefix (:meth:`_waits_for_prefill`), and, while a prefill is in progress, a request whose
-        prompt does not fit in what is left of the step (starting it would slow the prefills in progress
-        without finishing its own: the first token of every prompt in a burst would come late; it starts
-        when they are done). A request's cost against the budget is its prompt, less the tokens
-        a prefill it waited for stored for it (it loads them; a prefix hit found only when it is planned
-        still counts whole). Returns (the requests to start, how many were held that way)."""
+        fits (see the module docstring). One exception to the order: while a prefill is in progress, a
+        request whose cost (:meth:`_cost`) does not fit in what is left of the step stays in its place
+        and the requests behind it may start (starting it would slow the prefills in progress without
+        finishing its own: every prompt of a burst would get its first token late); it starts when they
+        are done."""
         cfg = self.config
         admitted: list[_Entry[S, J]] = []
         starting: list[Admission] = []
         held = self.runner.live_kv_bytes() if cfg.max_live_kv_bytes is not None else 0
-        index, held_for_prefix = 0, 0
+        index = 0
         while index < len(self.waiting) and self.num_running + len(admitted) < cfg.max_running:
             entry = self.waiting[index]
             if entry.admission is None:
@@ -465,14 +414,11 @@ class Scheduler(Generic[S, J]):
                     self._end(entry, "error", outputs, exc)
                     continue
             need = entry.admission
-            if self._waits_for_prefill(entry, need, admitted):
-                index, held_for_prefix = index + 1, held_for_prefix + 1
-                continue
-            cost = self._cost(entry)
             if budget <= 0 and (computed or admitted):
                 break
-            if self.prefilling and cost > budget:  # it would slow the prefills in progress, not finish:
-                index += 1  # it starts when they are done; a shorter request behind it may start now
+            cost = self._cost(need)
+            if self.prefilling and cost > budget:
+                index += 1
                 continue
             if not cfg.chunked_prefill and cost > budget and (computed or admitted):
                 break
@@ -490,7 +436,7 @@ class Scheduler(Generic[S, J]):
             admitted.append(entry)
             starting.append(need)
             budget -= cost
-        return admitted, held_for_prefix
+        return admitted
 
     def _begin(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> bool:
         """Plan an admitted request; False if it failed (and ended)."""
@@ -622,13 +568,3 @@ class Scheduler(Generic[S, J]):
         entry.seq = entry.job = None  # the live cache is freed with the sequence
         with self._lock:
             self._live_ids.discard(entry.request_id)
-
-
-def _common_run(a: tuple[str, ...], b: tuple[str, ...]) -> int:
-    """How many leading items ``a`` and ``b`` share."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count

@@ -49,9 +49,6 @@ class PrefillJob:
     every row before it, masks from positions. Blend, share and query capture run in one piece.
     loaded: what the path's load put in the cache (set by the first chunk).
     outcome: set once the whole prompt is computed.
-    stores_prefix_from: the first prompt block this prefill computes and then stores as a prefix block
-    (an exact path, a request that stores its prompt); None if it stores none (see
-    :class:`semkv.scheduler.PrefillWork`).
     """
 
     request: GenerateRequest
@@ -71,7 +68,6 @@ class PrefillJob:
     outcome: PrefillOutcome | None = None
     queries: PrefillQueries | None = None
     notes: dict[str, Any] = field(default_factory=dict)
-    stores_prefix_from: int | None = None
 
     @property
     def chunkable(self) -> bool:

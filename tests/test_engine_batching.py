@@ -283,53 +283,20 @@ def test_smollm2_batched_greedy_equals_serial(make_smol_engine):
     assert [done[i] for i in ids] == serial
 
 
-def _serve_together(
-    engine, prompts: list[str], salts: list[str | None], wait_tokens: int
-) -> tuple[list, int]:
-    """Add the prompts in one step (512-token steps: the first's prefill runs in chunks), step until done;
-    (the generations in order, the steps in which a request was held for a prefill in progress)."""
-    engine.scheduler.config = SchedulerConfig(
-        max_running=8, max_batched_tokens=512, shared_prefix_wait_tokens=wait_tokens
-    )
-    options = dict(max_new_tokens=4, stop_at_eos=False, reuse="auto")
-    ids = [engine.add_request(prompt=p, cache_salt=s, **options) for p, s in zip(prompts, salts, strict=True)]
-    done, held = {}, 0
-    while engine.has_unfinished():
-        done.update({o.request_id: o.generation for o in engine.step() if o.finished})
-        held += engine.scheduler.last_step.held_for_prefix > 0
-    return [done[i] for i in ids], held
-
-
-@pytest.mark.parametrize("case", ["waits", "off", "other namespace"])
-def test_a_request_starting_like_a_prefill_in_progress_waits_and_loads_its_blocks(
-    make_tiny_engine, tokenizer, case
-):
-    """Injected: two prompts with the same ~180-token start, added in the same step while nothing is
-    stored: the first goes on for ~700 tokens (its prefill takes two 512-token steps), the second ends
-    with a question (it fits in the half step it gets while the first is prefilled). Must happen: the
-    second waits until the first's prefill is stored and then loads the shared full blocks (path
-    "prefix"), with the same tokens and first logits as when it is served alone after the first. With
-    ``shared_prefix_wait_tokens=0``, or in another cache namespace (its blocks' keys differ: it could
-    not load them), it does not wait and computes its whole prompt."""
-    head = " ".join(f"line {i}: the tide was {i * 3 % 11} feet." for i in range(16))
-    rest = " ".join(f"row {i}: the wind was {i * 5 % 7} knots." for i in range(60))
-    prompts = [head + " " + rest, head + " Which line had the highest tide?"]
-    salts = [None, "tenant-b" if case == "other namespace" else None]
+def test_cached_prompt_tokens_counts_the_stored_prefix_a_request_would_load(make_tiny_engine, tokenizer):
+    """Injected: a ~300-token prompt served (its blocks stored), then the admission of the same prompt
+    with a question appended, in the same namespace, in another one, and with reuse="none". Must happen:
+    the scheduler's cost estimate counts exactly the stored full blocks the prefix path then loads; none
+    in another namespace or without prefix reuse; nothing stored yet counts 0."""
     engine = wide_tiny_engine(make_tiny_engine, tokenizer)
-    (first, second), held = _serve_together(engine, prompts, salts, 0 if case == "off" else 128)
-    shared_blocks = len(tokenizer(head)["input_ids"]) // engine.config.block_size
-    if case == "waits":
-        assert held >= 1
-        assert second.stats["path"] == "prefix"
-        assert second.stats["reused_tokens"] >= (shared_blocks - 1) * engine.config.block_size > 128
-        alone_engine = wide_tiny_engine(make_tiny_engine, tokenizer)
-        options = dict(max_new_tokens=4, stop_at_eos=False, reuse="auto")
-        alone_engine.generate(prompts[0], **options)  # stores the first prompt's blocks
-        alone = alone_engine.generate(prompts[1], **options)
-        assert alone.stats["reused_tokens"] == second.stats["reused_tokens"]
-        assert second.token_ids == alone.token_ids
-        torch.testing.assert_close(second.first_logits, alone.first_logits, atol=1e-4, rtol=0)
-    else:
-        assert held == 0
-        assert second.stats["reused_tokens"] == 0 and second.stats["path"] == "full"
-    assert first.stats["reused_tokens"] == 0
+    head = " ".join(f"line {i}: the tide was {i * 3 % 11} feet." for i in range(30))
+    longer = GenerateRequest(prompt=head + " Which line had the highest tide?", max_new_tokens=2)
+    assert engine.cached_prompt_tokens(engine.admission(longer)) == 0
+    engine.generate(head, max_new_tokens=1)
+    cached = engine.cached_prompt_tokens(engine.admission(longer))
+    served = engine.generate(head + " Which line had the highest tide?", max_new_tokens=1, store_prompt=False)
+    assert served.stats["path"] == "prefix" and cached == served.stats["reused_tokens"] > 200
+    other = GenerateRequest(prompt=longer.prompt, max_new_tokens=2, cache_salt="tenant-b")
+    assert engine.cached_prompt_tokens(engine.admission(other)) == 0
+    plain = GenerateRequest(prompt=longer.prompt, max_new_tokens=2, reuse="none")
+    assert engine.cached_prompt_tokens(engine.admission(plain)) == 0

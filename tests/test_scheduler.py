@@ -50,7 +50,6 @@ class RuleJob:
     request: GenerateRequest
     remaining: int
     chunkable: bool = True
-    stores_prefix_from: int | None = None
 
     @property
     def done(self) -> bool:
@@ -79,6 +78,12 @@ class RuleRunner:
             return Admission(words, rows * BYTES_PER_TOKEN, rows)
         return Admission(words, rows * BYTES_PER_TOKEN, rows, prefix_keys(request), 1)
 
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        if self.stored is None:
+            return 0
+        found = next((i for i, key in enumerate(admission.prefix_keys) if key not in self.stored), None)
+        return min(len(admission.prefix_keys) if found is None else found, admission.prompt_tokens - 1)
+
     def live_kv_bytes(self) -> int:
         return self.outside_kv + sum(nbytes for ref, nbytes in self.live if ref() is not None)
 
@@ -105,7 +110,6 @@ class RuleRunner:
             loaded = next((i for i, key in enumerate(keys) if key not in self.stored), len(keys))
             loaded = min(loaded, len(keys) - 1)  # the last token is always computed
             job.remaining -= loaded
-            job.stores_prefix_from = loaded
         self._hold(job, request)
         return job
 
@@ -463,97 +467,19 @@ def test_queue_full_and_failures_end_only_their_request():
     assert not scheduler.has_unfinished()
 
 
-def shared_prefix_load(wait_tokens: int, second_salt: str | None = None) -> tuple[RuleRunner, list[str]]:
-    """A 120-word prompt A prefilled in 48-token steps, then B (A's first 20 words + 4 of its own, in
-    ``second_salt``'s namespace) and C (unrelated) arriving while A is prefilled; both fit in half a step,
-    so neither has to wait for A to start. Returns the runner and the request ids [A, B, C] after running
-    everything."""
-    runner = RuleRunner(stored=set())
-    config = SchedulerConfig(max_running=8, max_batched_tokens=48, shared_prefix_wait_tokens=wait_tokens)
-    scheduler = Scheduler(runner, config)
-    shared = [f"w{i}" for i in range(20)]
-    ids = [scheduler.add_request(request(" ".join(shared + [f"a{i}" for i in range(100)])))]
-    scheduler.step()
-    second = request(" ".join(shared + ["b0", "b1", "b2", "b3"]), cache_salt=second_salt)
-    ids += [scheduler.add_request(second), scheduler.add_request(request("c0 c1"))]
-    outputs = run_all(scheduler)
-    for rid in ids:
-        assert finished_once(outputs[rid]).finish_reason == "length"
-    return runner, ids
-
-
 def computed(runner: RuleRunner, prefix: str) -> int:
     """Prompt tokens the runner computed for the prompt starting with ``prefix``."""
     return sum(n for prompt, n in runner.chunks if prompt.startswith(prefix))
 
 
-def test_a_request_waits_for_the_prefill_computing_its_prefix_and_loads_it():
-    """B arrives while A, which shares B's first 20 tokens, is prefilled in chunks. B waits (C, behind it,
-    starts meanwhile) until A is stored, then loads the 20 tokens and computes its 4 own: 120 + 4 + 2
-    tokens computed in all, against 120 + 24 + 2 when B does not wait (``shared_prefix_wait_tokens=0``)."""
-    runner, _ = shared_prefix_load(wait_tokens=16)
-    assert computed(runner, "w0") == 120 + 4 and computed(runner, "c0") == 2
-    assert runner.prefills[0] == "c0 c1" and runner.prefills[1].endswith("a99")  # C started first
-    assert runner.prefills[-1].endswith("b3")  # B began after A was stored
-    off, _ = shared_prefix_load(wait_tokens=0)
-    assert computed(off, "w0") == 120 + 24
-
-
-def test_no_wait_below_the_threshold_or_across_namespaces():
-    """B shares 20 tokens with A: a threshold of 21 does not hold it, nor does a cache namespace of its
-    own (its keys differ: it could never load A's blocks)."""
-    above, _ = shared_prefix_load(wait_tokens=21)
-    assert computed(above, "w0") == 120 + 24
-    other_salt, _ = shared_prefix_load(wait_tokens=16, second_salt="tenant-b")
-    assert computed(other_salt, "w0") == 120 + 24
-
-
-def test_no_wait_for_blocks_the_prefill_in_progress_loaded_itself():
-    """A loaded its first 20 tokens from the store (an earlier request stored them): B can load them at
-    once, so it is admitted without waiting and computes only its own 4 tokens."""
+def test_prefix_hits_cost_the_budget_only_their_new_tokens():
+    """Three requests arrive while A (24 tokens) is prefilled; each starts with A's first 20. They wait
+    for A (a 24-token prompt cannot finish in what A leaves of a 16-token step). Once A is stored, each
+    costs the budget only its 4 new tokens (the runner counts the stored prefix it will load), so two of
+    them start in the step A completes and the third in the next; counting whole prompts (24 tokens each)
+    would start one per step: [2, 1, 1]."""
     runner = RuleRunner(stored=set())
-    shared = [f"w{i}" for i in range(20)]
-    runner.stored.update(prefix_keys(request(" ".join(shared))))
-    scheduler = Scheduler(
-        runner, SchedulerConfig(max_running=8, max_batched_tokens=2, shared_prefix_wait_tokens=4)
-    )
-    scheduler.add_request(request(" ".join(shared + [f"a{i}" for i in range(8)])))
-    scheduler.step()
-    scheduler.add_request(request(" ".join(shared + ["b0", "b1"])))
-    scheduler.step()
-    assert scheduler.last_step.held_for_prefix == 0
-    run_all(scheduler)
-    assert computed(runner, "w0") == 8 + 2
-
-
-def test_a_held_request_is_counted_and_the_prefill_keeps_its_whole_budget():
-    """While B waits for A's blocks, the step reports it held and A's chunk is not halved for it."""
-    runner = RuleRunner(stored=set())
-    scheduler = Scheduler(
-        runner, SchedulerConfig(max_running=8, max_batched_tokens=8, shared_prefix_wait_tokens=4)
-    )
-    shared = " ".join(f"w{i}" for i in range(30))
-    scheduler.add_request(request(shared + " a"))
-    scheduler.step()
-    scheduler.add_request(request(shared + " b"))
-    scheduler.step()
-    assert scheduler.last_step.held_for_prefix == 1
-    assert [n for prompt, n in runner.chunks] == [8, 8]
-    run_all(scheduler)
-
-
-def test_shared_prefix_wait_tokens_is_validated():
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="shared_prefix_wait_tokens"):
-            SchedulerConfig(shared_prefix_wait_tokens=bad)  # type: ignore[arg-type]
-
-
-def test_requests_that_waited_start_together_at_the_cost_of_their_own_tokens():
-    """Three requests wait for A's 20 shared tokens. Once A is stored they are admitted in one step: each
-    costs the budget its 4 own tokens, not its 24-token prompt (which would admit one per step)."""
-    runner = RuleRunner(stored=set())
-    config = SchedulerConfig(max_running=8, max_batched_tokens=16, shared_prefix_wait_tokens=8)
-    scheduler = Scheduler(runner, config)
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=16))
     shared = " ".join(f"w{i}" for i in range(20))
     scheduler.add_request(request(shared + " a0 a1 a2 a3"))
     scheduler.step()
@@ -564,9 +490,7 @@ def test_requests_that_waited_start_together_at_the_cost_of_their_own_tokens():
         before = len(runner.prefills)
         scheduler.step()
         steps.append(runner.prefills[before:])
-    # A's last 8 tokens, then b and c (4 each) fill the step's 16; d starts next. Counting whole prompts
-    # (24 tokens each) would start one of them per step: [2, 1, 1].
-    assert [len(step) for step in steps if step] == [3, 1]
+    assert [len(step) for step in steps if step] == [3, 1]  # A + b + c (8 + 4 + 4 tokens), then d
     assert computed(runner, "w0") == 24 + 3 * 4
 
 
@@ -592,3 +516,21 @@ def test_a_long_prompt_waits_for_the_chunked_prefill_in_progress():
     assert runner.prefills == ["s t", a] and runner.chunks[4:] == [(a, 4), (b, 3)]  # 8 - 1 decode row
     run_all(scheduler)
     assert runner.prefills[-1] == b
+
+
+def test_a_prefix_hit_starts_during_a_long_prefill():
+    """While a 40-token prompt is prefilled in 8-token steps, B arrives: 20 stored tokens and 2 new ones.
+    It costs 2 tokens, so it starts at once (the long prefill's step is halved for it) and loads the
+    stored 20; counted as a 22-token prompt it would wait for the whole long prefill."""
+    runner = RuleRunner(stored=set())
+    shared = [f"w{i}" for i in range(20)]
+    runner.stored.update(prefix_keys(request(" ".join(shared))))
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=8))
+    long_prompt = " ".join(f"x{i}" for i in range(40))
+    scheduler.add_request(request(long_prompt))
+    scheduler.step()
+    hit = " ".join(shared + ["b0", "b1"])
+    scheduler.add_request(request(hit))
+    scheduler.step()
+    assert runner.prefills == [hit] and runner.chunks[1:] == [(long_prompt, 4), (hit, 2)]
+    run_all(scheduler)

@@ -88,18 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="the shared-document scenario: N clients at once asking about one document, servers with "
-        "--shared-prefix-wait-tokens 128 and 0 (see semkv.bench.batching_shared)",
+        help="the shared-document scenario: N clients at once asking about one document, batching on and "
+        "off (see semkv.bench.batching_shared)",
     )
     p.add_argument(
         "--shared-doc-tokens", type=int, default=1500, help="shared-document scenario: the document's tokens"
-    )
-    p.add_argument(
-        "--shared-prefix-wait-tokens",
-        type=int,
-        default=128,
-        help="sweep: the servers' --shared-prefix-wait-tokens (0: a request never waits for a prefill in"
-        " progress that computes its prompt's start)",
     )
 
 

@@ -1,19 +1,18 @@
 """``semkv bench batching --shared-burst 8``: a burst of requests that start with the same long document.
 
 Many users asking about one document at once (a shared system prompt, a contract, a manual) send
-prompts whose first ~``--shared-doc-tokens`` tokens are equal. A batching server that admits them
-together prefills the document once per request; with ``--shared-prefix-wait-tokens`` the requests
-that start like a prefill in progress wait for it and load its blocks (see
-:meth:`semkv.scheduler.Scheduler._waits_for_prefill`).
+prompts whose first ~``--shared-doc-tokens`` tokens are equal. The batching scheduler prefills a long
+prompt while the others wait (:meth:`semkv.scheduler.Scheduler._admit`); once it is stored they load
+its blocks as a prefix hit and compute only their questions.
 
-Two servers, each with a fresh home and ``--max-running`` = the burst: waiting on (the server's
-default, 128 tokens) and off (0). On each, after the same warm-up, ``--repeats`` bursts: N streaming
+Two servers, each with a fresh home: batching (``--max-running`` = max(N, ``--max-running``)) and
+batching off (``--max-running 1``). On each, after the same warm-up, ``--repeats`` bursts: N streaming
 clients at once, each the document (chat template, user turn) + a different question, greedy,
 ``--max-tokens`` new tokens; every burst in a cache namespace of its own (``cache_salt``), so nothing
 one burst stored is reused by the next. Reported per server (over all bursts): wall seconds per burst
 (median), output tokens/s, TTFT p50/p99, prompt tokens the model computed per burst (the engine's
-``recomputed_tokens``), and the answers equal between the servers (bf16 rounding may differ between a
-loaded prefix and a computed one).
+``recomputed_tokens``), and the answers equal between the servers (bf16 rounding may differ between
+batched and single decode steps).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ QUESTIONS = [
     "Which sentence best sums up the essay?",
     "What question does the essay leave open?",
 ]
-MODES = (("wait for a shared prefill", 128), ("no wait", 0))
+MODES = ("batching", "no batching")
 
 
 def burst(base: str, model: str, document: str, clients: int, max_tokens: int, salt: str) -> list[Outcome]:
@@ -70,18 +69,12 @@ def burst(base: str, model: str, document: str, clients: int, max_tokens: int, s
 
 
 def run_server(
-    args: argparse.Namespace, label: str, wait_tokens: int, document: str
+    args: argparse.Namespace, label: str, max_running: int, document: str
 ) -> tuple[dict[str, Any], list[list[Outcome]]]:
     """One server (fresh home), ``--repeats`` bursts: its row and the bursts' outcomes."""
     clients = args.shared_burst
     server = start_local_server(
-        args,
-        "--max-running",
-        str(max(clients, args.max_running)),
-        "--max-batched-tokens",
-        str(args.max_batched_tokens),
-        "--shared-prefix-wait-tokens",
-        str(wait_tokens),
+        args, "--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens)
     )
     bursts: list[list[Outcome]] = []
     walls: list[float] = []
@@ -101,7 +94,7 @@ def run_server(
     ttfts = [o.ttft_s for o in outcomes]
     row = {
         "server": label,
-        "shared_prefix_wait_tokens": wait_tokens,
+        "max_running": max_running,
         "burst_wall_s": median(walls),
         "output_tokens_per_s": tokens / sum(walls),
         "ttft_p50_s": percentile(ttfts, 50),
@@ -121,10 +114,11 @@ def run_shared_burst(args: argparse.Namespace) -> int:
         raise ValueError(f"--shared-doc-tokens must be >= 256, got {args.shared_doc_tokens}")
     tokenizer = load_tokenizer(args)
     document = text_of_tokens(tokenizer, essays()[sorted(essays())[3]].strip(), args.shared_doc_tokens)
-    results = [run_server(args, label, wait, document) for label, wait in MODES]
+    batching = max(args.shared_burst, args.max_running)
+    results = [run_server(args, label, n, document) for label, n in zip(MODES, (batching, 1), strict=True)]
     rows = [row for row, _ in results]
-    waited, plain = (bursts for _, bursts in results)
-    pairs = [(a, b) for wb, pb in zip(waited, plain, strict=True) for a, b in zip(wb, pb, strict=True)]
+    batched, serial = (bursts for _, bursts in results)
+    pairs = [(a, b) for bb, sb in zip(batched, serial, strict=True) for a, b in zip(bb, sb, strict=True)]
     rows[0]["same_answers"] = sum(a.text == b.text for a, b in pairs) / len(pairs)
     config = {
         k: getattr(args, k)
@@ -133,7 +127,7 @@ def run_shared_burst(args: argparse.Namespace) -> int:
     config.update(compute_dtype=args.compute_dtype, server_threads=args.threads or 1)
     on, off = rows
     notes = (
-        f"Waiting for the shared prefill / not: output tokens/s x{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}, "
+        f"Batching / batching off: output tokens/s x{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}, "
         f"TTFT p50 {on['ttft_p50_s']:.2f} / {off['ttft_p50_s']:.2f} s, p99 {on['ttft_p99_s']:.2f} / "
         f"{off['ttft_p99_s']:.2f} s, prompt tokens computed per burst {on['computed_prompt_tokens_per_burst']:.0f}"
         f" / {off['computed_prompt_tokens_per_burst']:.0f}; answers equal {on['same_answers']:.0%}.\n"

@@ -97,13 +97,7 @@ def sweep_mode(
     """One server (fresh home), every client count in order: count -> (summary, outcomes)."""
     docs, passages, long_passages = texts
     server = start_local_server(
-        args,
-        "--max-running",
-        str(max_running),
-        "--max-batched-tokens",
-        str(args.max_batched_tokens),
-        "--shared-prefix-wait-tokens",
-        str(args.shared_prefix_wait_tokens),
+        args, "--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens)
     )
     sparse = {"sparse": args.sparse_policy, "kv_budget": args.sparse_budget}
     points: dict[int, tuple[dict[str, Any], list[Outcome]]] = {}
@@ -214,7 +208,6 @@ def run_sweep(args: argparse.Namespace) -> int:
             "max_batched_tokens",
             "sparse_policy",
             "sparse_budget",
-            "shared_prefix_wait_tokens",
             "seed",
             "compute_dtype",
         )

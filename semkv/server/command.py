@@ -114,15 +114,6 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
         help="prefill every prompt in one piece (running streams wait for the whole prefill)",
     )
     p.add_argument(
-        "--shared-prefix-wait-tokens",
-        type=int,
-        default=128,
-        metavar="TOKENS",
-        help="a request whose prompt starts with at least this many tokens that a prefill in progress is "
-        "computing (same cache namespace) waits for it and loads them instead of computing them again; "
-        "0 = never wait (default 128)",
-    )
-    p.add_argument(
         "--max-live-kv-mb",
         type=int,
         default=None,
@@ -173,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_queue,
         max_live_kv_bytes=None if args.max_live_kv_mb is None else args.max_live_kv_mb * 1024**2,
         chunked_prefill=not args.no_chunked_prefill,
-        shared_prefix_wait_tokens=args.shared_prefix_wait_tokens,
     )
     store = StoreConfig(
         memory_bytes=args.memory_mb * 1024**2,

@@ -119,12 +119,6 @@ class ServerMetrics:
             " padding, plus caches outside it); the scheduler keeps it within max_live_kv_bytes",
             registry=r,
         )
-        self.held_for_prefix = Gauge(
-            "semkv_waiting_for_shared_prefix",
-            "waiting requests held at the last step for a prefill in progress that computes their prompt's"
-            " first blocks (they load them once it is stored; --shared-prefix-wait-tokens)",
-            registry=r,
-        )
         self.batch_size = Histogram(
             "semkv_step_batch_size",
             "sequences decoded together in one engine step",
@@ -171,7 +165,6 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.live_kv.set(stats.live_kv_bytes)
-        self.held_for_prefix.set(stats.held_for_prefix)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
