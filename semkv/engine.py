@@ -51,7 +51,7 @@ from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
-from semkv.store.keys import Namespace
+from semkv.store.keys import Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
 
@@ -554,10 +554,27 @@ class Engine:
 
     def admission(self, request: GenerateRequest) -> Admission:
         """What admitting ``request`` costs the scheduler: prompt tokens, and its live cache's prompt +
-        ``max_new_tokens`` rows and their bytes. A ValueError if the prompt is empty or too long."""
-        prompt = len(self.layout(request))
-        rows = prompt + request.max_new_tokens
-        return Admission(prompt, rows * self.runtime.kv_bytes_per_token(), rows)
+        ``max_new_tokens`` rows and their bytes; the chained keys of its full prompt blocks in its cache
+        namespace when it may reuse a stored prefix (none under ``reuse="none"`` or without the prefix
+        path). A ValueError if the prompt is empty or too long."""
+        layout = self.layout(request)
+        rows = len(layout) + request.max_new_tokens
+        options = self.defaults.reuse_options(request)
+        keys: tuple[str, ...] = ()
+        block = self.ctx.block_size
+        if options.mode != "none" and "prefix" in self.paths:
+            keys = tuple(prefix_block_keys(self.fingerprint, block, layout.token_ids, options.namespace))
+        return Admission(len(layout), rows * self.runtime.kv_bytes_per_token(), rows, keys, block)
+
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        """Leading prompt tokens a request would load as an exact stored prefix if it started now: its
+        full blocks found in the store from the first on (all but the last token at most)."""
+        found = 0
+        for key in admission.prefix_keys:
+            if not self.store.contains(key):
+                break
+            found += 1
+        return min(found * admission.prefix_block_size, admission.prompt_tokens - 1)
 
     def live_kv_bytes(self) -> int:
         """KV memory the runtime holds now (:meth:`Runtime.kv_held_bytes`): the decode arena, every slot

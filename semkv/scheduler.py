@@ -12,7 +12,10 @@
    full prefill goes in chunks over several steps, so running streams wait at most one chunk; while
    requests wait, the prefills in progress take at most half of the budget, so an arrival starts
    during a long prefill rather than after it; a prefill that completes gives its request's first
-   token in this step;
+   token in this step. While a prefill is in progress, a prompt that does not fit in what is left of
+   the step waits for it to finish instead of slowing it (a burst of long prompts is prefilled one
+   after another, so the first of them gets its first token early); a prompt's cost is what it
+   computes: its tokens less a stored exact prefix it will load (:meth:`StepRunner.cached_prompt_tokens`);
 3. decodes every sequence that was running before this step by one token, in one batched forward,
    and gives back the KV memory of the sequences that finished;
 4. returns a :class:`StepOutput` for each request that produced text or finished.
@@ -91,12 +94,17 @@ J = TypeVar("J", bound=PrefillWork)
 
 @dataclass(frozen=True)
 class Admission:
-    """What admitting a request costs: its prompt tokens (computed in the admitting step), the rows of its
-    live cache (prompt + max_new_tokens) and their bytes."""
+    """What admitting a request costs: its prompt tokens, the rows of its live cache (prompt +
+    max_new_tokens) and their bytes.
+
+    prefix_keys: the chained keys of the prompt's full blocks of ``prefix_block_size`` tokens in its
+    cache namespace, for :meth:`StepRunner.cached_prompt_tokens`; empty when it reuses no prefix."""
 
     prompt_tokens: int
     kv_bytes: int
     kv_rows: int
+    prefix_keys: tuple[str, ...] = ()
+    prefix_block_size: int = 0
 
 
 class StepRunner(Protocol[S, J]):
@@ -104,6 +112,10 @@ class StepRunner(Protocol[S, J]):
 
     def admission(self, request: GenerateRequest) -> Admission:
         """The request's cost; a ValueError if it can never run (empty, too long)."""
+        ...
+
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        """Leading prompt tokens the request would load rather than compute if it started now."""
         ...
 
     def begin_prefill(self, request: GenerateRequest) -> J:
@@ -306,28 +318,41 @@ class Scheduler(Generic[S, J]):
 
     def _prefill_share(self, budget: int) -> int:
         """Tokens the prefills in progress may compute in this step: the whole budget, or half of it
-        while the first waiting request could be admitted (a free place in the batch and room for its
-        live KV), so a request arriving during a long chunked prefill starts in the next step instead of
-        after the whole prompt (the long prefill still advances by at least half a budget every step:
-        arrivals never starve it). A request that must wait for live KV anyway takes nothing from it."""
+        while a waiting request could start and finish its prefill in the other half (a free place in
+        the batch, room for its live KV), so a short request arriving during a long chunked prefill gets
+        its first token in the next step instead of after the whole prompt (the long prefill still
+        advances by at least half a budget every step: arrivals never starve it). A longer prompt does
+        not start while a prefill is in progress (:meth:`_admit`): it takes nothing from it."""
+        half = max(1, budget // 2)
         if self.waiting and self.prefilling and self.num_running < self.config.max_running:
-            if self._head_fits_kv():
-                return max(1, budget // 2)
+            for entry in self.waiting:
+                need = self._admission(entry)
+                if need is None:
+                    return half  # it can never run: _admit ends it
+                if self._cost(need) <= budget - half:
+                    return half if self._fits_kv_now(need) else budget
         return budget
 
-    def _head_fits_kv(self) -> bool:
-        """Whether the first waiting request's live KV fits beside what is held (admission goes in arrival
-        order: if it does not fit, no request is admitted in this step). A request that can never run (its
-        admission raises) counts as fitting: ``_admit`` ends it."""
+    def _fits_kv_now(self, need: Admission) -> bool:
+        """Whether a request's live KV fits beside what is held (admission goes in arrival order: if it
+        does not fit, no request is admitted in this step)."""
         if self.config.max_live_kv_bytes is None:
             return True
-        entry = self.waiting[0]
+        return self._kv_fits(self.runner.live_kv_bytes(), [need])
+
+    def _admission(self, entry: _Entry[S, J]) -> Admission | None:
+        """The entry's admission (asked of the runner once); None if the request can never run."""
         if entry.admission is None:
             try:
                 entry.admission = self.runner.admission(entry.request)
             except ValueError:
-                return True
-        return self._kv_fits(self.runner.live_kv_bytes(), [entry.admission])
+                return None
+        return entry.admission
+
+    def _cost(self, need: Admission) -> int:
+        """Prompt tokens a request computes if it starts now: its prompt less the stored exact prefix it
+        would load (a blend's or share's recompute counts whole: known only once planned)."""
+        return max(1, need.prompt_tokens - self.runner.cached_prompt_tokens(need))
 
     def _kv_fits(self, held: int, admissions: list[Admission]) -> bool:
         """Whether ``held`` bytes plus what starting ``admissions`` adds stays within max_live_kv_bytes."""
@@ -368,15 +393,20 @@ class Scheduler(Generic[S, J]):
                 self._end(entry, "deadline", outputs, error)
 
     def _admit(self, outputs: list[StepOutput], budget: int, computed: int) -> list[_Entry[S, J]]:
-        """Waiting requests to start in this step, in arrival order (none skips the queue): while the
-        step has token budget left (or computed nothing yet: a step always makes progress), the batch has
-        room and their live KV fits (see the module docstring)."""
+        """Waiting requests to start in this step, in arrival order: while the step has token budget left
+        (or computed nothing yet: a step always makes progress), the batch has room and their live KV
+        fits (see the module docstring). One exception to the order: while a prefill is in progress, a
+        request whose cost (:meth:`_cost`) does not fit in what is left of the step stays in its place
+        and the requests behind it may start (starting it would slow the prefills in progress without
+        finishing its own: every prompt of a burst would get its first token late); it starts when they
+        are done."""
         cfg = self.config
         admitted: list[_Entry[S, J]] = []
         starting: list[Admission] = []
         held = self.runner.live_kv_bytes() if cfg.max_live_kv_bytes is not None else 0
-        while self.waiting and self.num_running + len(admitted) < cfg.max_running:
-            entry = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and self.num_running + len(admitted) < cfg.max_running:
+            entry = self.waiting[index]
             if entry.admission is None:
                 try:
                     entry.admission = self.runner.admission(entry.request)
@@ -386,7 +416,11 @@ class Scheduler(Generic[S, J]):
             need = entry.admission
             if budget <= 0 and (computed or admitted):
                 break
-            if not cfg.chunked_prefill and need.prompt_tokens > budget and (computed or admitted):
+            cost = self._cost(need)
+            if self.prefilling and cost > budget:
+                index += 1
+                continue
+            if not cfg.chunked_prefill and cost > budget and (computed or admitted):
                 break
             if not self._kv_fits(held, [*starting, need]):
                 if self.running or self.prefilling or admitted:
@@ -398,10 +432,10 @@ class Scheduler(Generic[S, J]):
                     )
                     self._end(entry, "error", outputs, error)
                     continue
-            self.waiting.popleft()
+            del self.waiting[index]
             admitted.append(entry)
             starting.append(need)
-            budget -= need.prompt_tokens
+            budget -= cost
         return admitted
 
     def _begin(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> bool:

@@ -281,3 +281,22 @@ def test_smollm2_batched_greedy_equals_serial(make_smol_engine):
     while engine.has_unfinished():
         done.update({o.request_id: o.generation.token_ids for o in engine.step() if o.finished})
     assert [done[i] for i in ids] == serial
+
+
+def test_cached_prompt_tokens_counts_the_stored_prefix_a_request_would_load(make_tiny_engine, tokenizer):
+    """Injected: a ~300-token prompt served (its blocks stored), then the admission of the same prompt
+    with a question appended, in the same namespace, in another one, and with reuse="none". Must happen:
+    the scheduler's cost estimate counts exactly the stored full blocks the prefix path then loads; none
+    in another namespace or without prefix reuse; nothing stored yet counts 0."""
+    engine = wide_tiny_engine(make_tiny_engine, tokenizer)
+    head = " ".join(f"line {i}: the tide was {i * 3 % 11} feet." for i in range(30))
+    longer = GenerateRequest(prompt=head + " Which line had the highest tide?", max_new_tokens=2)
+    assert engine.cached_prompt_tokens(engine.admission(longer)) == 0
+    engine.generate(head, max_new_tokens=1)
+    cached = engine.cached_prompt_tokens(engine.admission(longer))
+    served = engine.generate(head + " Which line had the highest tide?", max_new_tokens=1, store_prompt=False)
+    assert served.stats["path"] == "prefix" and cached == served.stats["reused_tokens"] > 200
+    other = GenerateRequest(prompt=longer.prompt, max_new_tokens=2, cache_salt="tenant-b")
+    assert engine.cached_prompt_tokens(engine.admission(other)) == 0
+    plain = GenerateRequest(prompt=longer.prompt, max_new_tokens=2, reuse="none")
+    assert engine.cached_prompt_tokens(engine.admission(plain)) == 0

@@ -67,13 +67,22 @@ class RuleRunner:
     fail_prefill: str | None = None
     live: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (job or sequence, its KV bytes)
     outside_kv: int = 0  # KV bytes held by something the scheduler does not run
+    stored: set[str] | None = None  # prefix reuse, one word per block: the stored blocks' keys (None: off)
 
     def admission(self, request: GenerateRequest) -> Admission:
         words = len((request.prompt or "").split())
         if words == 0:
             raise ValueError("prompt is empty after tokenization")
         rows = words + request.max_new_tokens
-        return Admission(words, rows * BYTES_PER_TOKEN, rows)
+        if self.stored is None:
+            return Admission(words, rows * BYTES_PER_TOKEN, rows)
+        return Admission(words, rows * BYTES_PER_TOKEN, rows, prefix_keys(request), 1)
+
+    def cached_prompt_tokens(self, admission: Admission) -> int:
+        if self.stored is None:
+            return 0
+        found = next((i for i, key in enumerate(admission.prefix_keys) if key not in self.stored), None)
+        return min(len(admission.prefix_keys) if found is None else found, admission.prompt_tokens - 1)
 
     def live_kv_bytes(self) -> int:
         return self.outside_kv + sum(nbytes for ref, nbytes in self.live if ref() is not None)
@@ -96,6 +105,11 @@ class RuleRunner:
         if request.prompt == self.fail_prefill:
             raise RuntimeError("injected prefill failure")
         job = RuleJob(request, len(str(request.prompt).split()), chunkable="whole" not in str(request.prompt))
+        if self.stored is not None:  # load the stored leading blocks, compute and store the rest
+            keys = prefix_keys(request)
+            loaded = next((i for i, key in enumerate(keys) if key not in self.stored), len(keys))
+            loaded = min(loaded, len(keys) - 1)  # the last token is always computed
+            job.remaining -= loaded
         self._hold(job, request)
         return job
 
@@ -116,6 +130,8 @@ class RuleRunner:
         return seq
 
     def store_prefill(self, seq: Sequence) -> float:
+        if self.stored is not None:
+            self.stored.update(prefix_keys(seq.request))
         return 0.0
 
     def decode_batch(self, seqs: list[Sequence]) -> None:
@@ -129,6 +145,12 @@ class RuleRunner:
 
     def text_stream(self, request: GenerateRequest) -> TextStream:
         return TextStream(LetterTokenizer(), request.stop)
+
+
+def prefix_keys(request: GenerateRequest) -> tuple[str, ...]:
+    """The rule runner's chained block keys: one word per block, in the request's namespace."""
+    words = str(request.prompt).split()
+    return tuple(f"{request.cache_salt}|{' '.join(words[: i + 1])}" for i in range(len(words)))
 
 
 class Clock:
@@ -443,3 +465,72 @@ def test_queue_full_and_failures_end_only_their_request():
     assert finished_once(outputs[empty]).finish_reason == "error"
     assert finished_once(outputs[ok]).finish_reason == "length"
     assert not scheduler.has_unfinished()
+
+
+def computed(runner: RuleRunner, prefix: str) -> int:
+    """Prompt tokens the runner computed for the prompt starting with ``prefix``."""
+    return sum(n for prompt, n in runner.chunks if prompt.startswith(prefix))
+
+
+def test_prefix_hits_cost_the_budget_only_their_new_tokens():
+    """Three requests arrive while A (24 tokens) is prefilled; each starts with A's first 20. They wait
+    for A (a 24-token prompt cannot finish in what A leaves of a 16-token step). Once A is stored, each
+    costs the budget only its 4 new tokens (the runner counts the stored prefix it will load), so two of
+    them start in the step A completes and the third in the next; counting whole prompts (24 tokens each)
+    would start one per step: [2, 1, 1]."""
+    runner = RuleRunner(stored=set())
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=16))
+    shared = " ".join(f"w{i}" for i in range(20))
+    scheduler.add_request(request(shared + " a0 a1 a2 a3"))
+    scheduler.step()
+    for name in "bcd":
+        scheduler.add_request(request(shared + " " + " ".join(f"{name}{i}" for i in range(4))))
+    steps = []
+    while scheduler.has_unfinished():
+        before = len(runner.prefills)
+        scheduler.step()
+        steps.append(runner.prefills[before:])
+    assert [len(step) for step in steps if step] == [3, 1]  # A + b + c (8 + 4 + 4 tokens), then d
+    assert computed(runner, "w0") == 24 + 3 * 4
+
+
+def test_a_long_prompt_waits_for_the_chunked_prefill_in_progress():
+    """A and B, 24 words each, with 8-token steps; B arrives while A is prefilled. B cannot finish in the
+    half step it would get, so it does not start (it would only slow A): A keeps whole steps. A short
+    request arriving behind B starts at once (A's step is halved for it); A gets its first token in its
+    4th step, and B starts in that step with what is left. Splitting the budget between A and B from
+    B's arrival on would give A its first token in its 5th step."""
+    runner = RuleRunner()
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=8))
+    a = " ".join(f"a{i}" for i in range(24))
+    b = " ".join(f"b{i}" for i in range(24))
+    scheduler.add_request(request(a))
+    scheduler.step()
+    scheduler.add_request(request(b))
+    scheduler.step()
+    scheduler.add_request(request("s t"))
+    scheduler.step()
+    assert runner.chunks == [(a, 8), (a, 8), (a, 4), ("s t", 2)]  # the short one halves A's step
+    assert runner.prefills == ["s t"]
+    scheduler.step()
+    assert runner.prefills == ["s t", a] and runner.chunks[4:] == [(a, 4), (b, 3)]  # 8 - 1 decode row
+    run_all(scheduler)
+    assert runner.prefills[-1] == b
+
+
+def test_a_prefix_hit_starts_during_a_long_prefill():
+    """While a 40-token prompt is prefilled in 8-token steps, B arrives: 20 stored tokens and 2 new ones.
+    It costs 2 tokens, so it starts at once (the long prefill's step is halved for it) and loads the
+    stored 20; counted as a 22-token prompt it would wait for the whole long prefill."""
+    runner = RuleRunner(stored=set())
+    shared = [f"w{i}" for i in range(20)]
+    runner.stored.update(prefix_keys(request(" ".join(shared))))
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=8))
+    long_prompt = " ".join(f"x{i}" for i in range(40))
+    scheduler.add_request(request(long_prompt))
+    scheduler.step()
+    hit = " ".join(shared + ["b0", "b1"])
+    scheduler.add_request(request(hit))
+    scheduler.step()
+    assert runner.prefills == [hit] and runner.chunks[1:] == [(long_prompt, 4), (hit, 2)]
+    run_all(scheduler)

@@ -67,7 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="long-prompt scenario: seconds from the long request to the short",
     )
-    p.add_argument("--repeats", type=int, default=2, help="long-prompt scenario: long+short pairs per server")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="long-prompt scenario: long+short pairs per server; shared-document scenario: bursts per server",
+    )
     p.add_argument(
         "--long-tokens",
         type=int,
@@ -78,6 +83,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sparse-policy", default="quest", help="sweep: the long prompts' sparse policy (set per request)"
     )
     p.add_argument("--sparse-budget", type=float, default=0.1, help="sweep: the long prompts' kv_budget")
+    p.add_argument(
+        "--shared-burst",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the shared-document scenario: N clients at once asking about one document, batching on and "
+        "off (see semkv.bench.batching_shared)",
+    )
+    p.add_argument(
+        "--shared-doc-tokens", type=int, default=1500, help="shared-document scenario: the document's tokens"
+    )
 
 
 def batching_row(label: str, outcomes: list[Outcome], wall_s: float, reference: list[Outcome] | None) -> dict:
@@ -177,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
         from semkv.bench.batching_long import run_long_prompt
 
         return run_long_prompt(args)
+    if args.shared_burst:
+        from semkv.bench.batching_shared import run_shared_burst
+
+        return run_shared_burst(args)
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1 or args.max_running < 2:
         raise ValueError("--clients, --requests, --max-tokens must be >= 1 and --max-running >= 2")
 

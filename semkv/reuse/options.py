@@ -132,6 +132,12 @@ class ShareConfig:
         next-token distribution depends on these tokens most.
     candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
     simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
+    min_new_fraction: an exactly prefilled prompt is remembered (its whole KV stored and indexed) only
+        if at least this share of it was computed, not loaded as a stored exact prefix. A prompt that
+        only extends a stored one (a chat follow-up, one more question on the same document) adds
+        little to share from: a prompt like it shares the prefix's owner or hits the prefix blocks.
+        Storing it cost more than its prefill: 0.27 s against 0.14 s for a 1.5K-token prompt with a
+        20-token new tail (SmolLM2, 2 threads, memory + disk tiers). 0 remembers every prompt.
     """
 
     min_tokens: int = 64
@@ -151,6 +157,7 @@ class ShareConfig:
     recompute_last: int = 16
     candidates: int = 3
     simhash: SimHashConfig = field(default_factory=SimHashConfig)
+    min_new_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.simhash, dict):
@@ -165,6 +172,7 @@ class ShareConfig:
             "first_ratio",
             "min_ratio",
             "constant_ratio",
+            "min_new_fraction",
         ):
             check_fraction(name, getattr(self, name))
         check_number("decay", self.decay, 0.0, 1.0, low_open=True)

@@ -332,10 +332,13 @@ class SharePath:
         cache: KVCache,
         outcome: PrefillOutcome,
     ) -> None:
-        """Store an exactly prefilled prompt's KV + token signatures as a PROMPT entry and index it."""
+        """Store an exactly prefilled prompt's KV + token signatures as a PROMPT entry and index it, unless
+        less than ``min_new_fraction`` of it was computed (the rest loaded as an exact stored prefix)."""
         config = options.share
         token_ids = layout.token_ids
         if not outcome.exact or len(token_ids) < config.min_tokens:
+            return
+        if outcome.recomputed_tokens < config.min_new_fraction * len(token_ids):
             return
         key = prompt_key(ctx.fingerprint, token_ids, options.namespace)
         if not ctx.store.held_by_all(key):

@@ -380,3 +380,29 @@ def test_smollm2_paraphrase_served_by_share(make_smol_engine):
     assert shared.stats["path"] == "share" and shared.stats["share_recompute_fraction"] < 0.3
     assert int(shared.first_logits.argmax()) == int(full.first_logits.argmax())
     assert logit_kl(full.first_logits, shared.first_logits) < 0.1
+
+
+def test_a_prompt_that_only_extends_a_stored_one_is_not_remembered(make_tiny_engine, tokenizer):
+    """Injected: a remembered ~600-token prompt, then the same prompt with a short question appended (a
+    prefix hit on its blocks: under 10% of it computed). Must happen: the extension is neither stored
+    as a PROMPT entry nor indexed (``min_new_fraction=0.1``); asked again with ``min_new_fraction=0`` it
+    is; the first prompt (fully computed) was."""
+    engine = make_tiny_engine("llama")
+    reference = "Summarise the following text.\n\n" + haystack(tokenizer, 600, start_essay=2)
+    engine.generate(prompt=reference, max_new_tokens=1)
+    index = engine.paths["share"].index
+    assert len(index) == 1
+    extended = reference + " And who wrote it?"
+    got = engine.generate(prompt=extended, max_new_tokens=1)
+    ids = _ids(engine, extended)
+    assert got.stats["path"] == "prefix" and 0 < got.stats["recomputed_tokens"] < 0.1 * len(ids)
+    key = prompt_key(engine.fingerprint, ids)
+    assert len(index) == 1 and engine.store.get(key, ids, EntryKind.PROMPT) is None
+    engine.generate(prompt=extended, max_new_tokens=1, share=ShareConfig(min_new_fraction=0.0))
+    assert len(index) == 2 and engine.store.get(key, ids, EntryKind.PROMPT) is not None
+
+
+def test_min_new_fraction_is_validated():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="min_new_fraction"):
+            ShareConfig(min_new_fraction=bad)
