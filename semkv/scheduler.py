@@ -10,12 +10,13 @@
    sequences, tokens computed in the step, live-KV bytes: see below) and starts theirs. A step
    computes at most ``max_batched_tokens`` tokens (one per decoding sequence + prompt tokens): a long
    full prefill goes in chunks over several steps, so running streams wait at most one chunk; while
-   requests wait, the prefills in progress take at most half of the budget, so an arrival starts
-   during a long prefill rather than after it; a prefill that completes gives its request's first
-   token in this step. While a prefill is in progress, a prompt that does not fit in what is left of
-   the step waits for it to finish instead of slowing it (a burst of long prompts is prefilled one
-   after another, so the first of them gets its first token early); a prompt's cost is what it
-   computes: its tokens less a stored exact prefix it will load (:meth:`StepRunner.cached_prompt_tokens`);
+   a request that could start and finish in half of the budget waits, the prefills in progress take
+   at most the other half, so a short arrival starts during a long prefill rather than after it; a
+   prefill that completes gives its request's first token in this step. While a prefill is in
+   progress, a prompt that does not fit in what is left of the step waits for it to finish instead of
+   slowing it (a burst of long prompts is prefilled one after another, so the first of them gets its
+   first token early); a prompt's cost is what it computes: its tokens less the stored exact prefix
+   it will load (:meth:`StepRunner.cached_prompt_tokens`);
 3. decodes every sequence that was running before this step by one token, in one batched forward,
    and gives back the KV memory of the sequences that finished;
 4. returns a :class:`StepOutput` for each request that produced text or finished.

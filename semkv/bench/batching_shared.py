@@ -126,11 +126,12 @@ def run_shared_burst(args: argparse.Namespace) -> int:
     }
     config.update(compute_dtype=args.compute_dtype, server_threads=args.threads or 1)
     on, off = rows
+    speedup = on["output_tokens_per_s"] / off["output_tokens_per_s"]
+    computed = f"{on['computed_prompt_tokens_per_burst']:.0f} / {off['computed_prompt_tokens_per_burst']:.0f}"
     notes = (
-        f"Batching / batching off: output tokens/s x{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}, "
-        f"TTFT p50 {on['ttft_p50_s']:.2f} / {off['ttft_p50_s']:.2f} s, p99 {on['ttft_p99_s']:.2f} / "
-        f"{off['ttft_p99_s']:.2f} s, prompt tokens computed per burst {on['computed_prompt_tokens_per_burst']:.0f}"
-        f" / {off['computed_prompt_tokens_per_burst']:.0f}; answers equal {on['same_answers']:.0%}.\n"
+        f"Batching / batching off: output tokens/s x{speedup:.2f}, TTFT p50 {on['ttft_p50_s']:.2f} / "
+        f"{off['ttft_p50_s']:.2f} s, p99 {on['ttft_p99_s']:.2f} / {off['ttft_p99_s']:.2f} s, prompt tokens"
+        f" computed per burst {computed}; answers equal {on['same_answers']:.0%}.\n"
     )
     json_path, md_path = write_results(args.out, "batching_shared_burst", rows, config, notes=notes)
     log.info("wrote %s and %s", json_path, md_path)
