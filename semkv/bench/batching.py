@@ -22,11 +22,9 @@ import statistics
 import time
 from typing import Any
 
-import httpx
-
 from semkv.bench import serve
 from semkv.bench.report import write_results
-from semkv.bench.serve import Outcome, build_workload, percentile, run_mode, start_local_server, stream_one
+from semkv.bench.serve import Outcome, build_workload, percentile, run_mode, warm_local_server
 from semkv.config import default_home
 from semkv.request import GenerateRequest
 
@@ -124,16 +122,8 @@ def batching_row(label: str, outcomes: list[Outcome], wall_s: float, reference: 
 def serve_mode(
     args: argparse.Namespace, max_running: int, payloads: list[tuple[dict[str, Any], str]]
 ) -> tuple[list[Outcome], float]:
-    server = start_local_server(args, "--max-running", str(max_running))
-    try:
-        server.wait_ready(timeout=300.0)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = {"reuse": "none", "store_prompt": False, "chunks": ["A warm-up passage."], "max_tokens": 2}
-        with httpx.Client(base_url=server.url, timeout=600) as client:
-            stream_one(client, model, warm, "Warm up.", -1)
-        return run_mode(server.url, model, args, payloads)
-    finally:
-        server.stop()
+    with warm_local_server(args, "--max-running", str(max_running)) as (url, model):
+        return run_mode(url, model, args, payloads)
 
 
 def decode_step_times(args: argparse.Namespace, docs: list[str], question: str) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from semkv.bench.report import median, write_results
-from semkv.bench.serve import Outcome, load_tokenizer, start_local_server, stream_chat, warm_up
+from semkv.bench.serve import Outcome, load_tokenizer, stream_chat, warm_local_server
 from semkv.evaluation.essays import haystack
 
 log = logging.getLogger(__name__)
@@ -76,19 +76,13 @@ def long_and_short(
 def run_config(
     args: argparse.Namespace, label: str, flags: list[str], long_texts: list[str]
 ) -> dict[str, Any]:
-    server = start_local_server(args, *flags)
     pairs: list[tuple[Outcome, Outcome]] = []
-    try:
-        server.wait_ready(timeout=300.0)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        warm_up(server.url, model)
+    with warm_local_server(args, *flags) as (url, model):
         for text in long_texts:
-            pairs.append(long_and_short(server.url, model, text, args.short_delay, args.max_tokens))
+            pairs.append(long_and_short(url, model, text, args.short_delay, args.max_tokens))
             log.info(
                 "%s: long TTFT %.2f s, short TTFT %.2f s", label, pairs[-1][0].ttft_s, pairs[-1][1].ttft_s
             )
-    finally:
-        server.stop()
     return {
         "server": label,
         "short_ttft_s": median([s.ttft_s for _, s in pairs]),

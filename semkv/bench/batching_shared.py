@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from semkv.bench.report import median, write_results
-from semkv.bench.serve import Outcome, load_tokenizer, percentile, start_local_server, stream_chat, warm_up
+from semkv.bench.serve import Outcome, load_tokenizer, percentile, stream_chat, warm_local_server
 from semkv.evaluation.essays import essays, text_of_tokens
 
 log = logging.getLogger(__name__)
@@ -73,22 +73,15 @@ def run_server(
 ) -> tuple[dict[str, Any], list[list[Outcome]]]:
     """One server (fresh home), ``--repeats`` bursts: its row and the bursts' outcomes."""
     clients = args.shared_burst
-    server = start_local_server(
-        args, "--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens)
-    )
+    flags = ("--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens))
     bursts: list[list[Outcome]] = []
     walls: list[float] = []
-    try:
-        server.wait_ready(timeout=300.0)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        warm_up(server.url, model)
+    with warm_local_server(args, *flags) as (url, model):
         for r in range(args.repeats):
             start = time.perf_counter()
-            bursts.append(burst(server.url, model, document, clients, args.max_tokens, f"burst-{r}"))
+            bursts.append(burst(url, model, document, clients, args.max_tokens, f"burst-{r}"))
             walls.append(time.perf_counter() - start)
             log.info("%s, burst %d: %.2f s", label, r, walls[-1])
-    finally:
-        server.stop()
     outcomes = [o for b in bursts for o in b]
     tokens = sum(int(o.stats.get("generated_tokens", 0)) for o in outcomes)
     ttfts = [o.ttft_s for o in outcomes]

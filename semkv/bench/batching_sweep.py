@@ -36,7 +36,7 @@ import httpx
 from tqdm import tqdm
 
 from semkv.bench.report import line_plot, write_results
-from semkv.bench.serve import Outcome, load_tokenizer, start_local_server, warm_up
+from semkv.bench.serve import Outcome, load_tokenizer, warm_local_server
 from semkv.bench.serving_mix import WorkItem, build_mix, point_summary, run_item
 from semkv.evaluation.essays import essays, haystack, text_of_tokens
 
@@ -96,29 +96,22 @@ def sweep_mode(
 ) -> dict[int, tuple[dict[str, Any], list[Outcome]]]:
     """One server (fresh home), every client count in order: count -> (summary, outcomes)."""
     docs, passages, long_passages = texts
-    server = start_local_server(
-        args, "--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens)
-    )
+    flags = ("--max-running", str(max_running), "--max-batched-tokens", str(args.max_batched_tokens))
     sparse = {"sparse": args.sparse_policy, "kv_budget": args.sparse_budget}
     points: dict[int, tuple[dict[str, Any], list[Outcome]]] = {}
-    try:
-        server.wait_ready(timeout=300.0)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        warm_up(server.url, model)
+    with warm_local_server(args, *flags) as (url, model):
         for clients in tqdm(counts, desc=f"max running {max_running}"):
             salt = f"sweep-{clients}-clients"
             body = {"input": docs, "cache_salt": salt}
-            uploaded = httpx.post(f"{server.url}/v1/documents", json=body, timeout=600).json()["data"]
+            uploaded = httpx.post(f"{url}/v1/documents", json=body, timeout=600).json()["data"]
             ids = [d["id"] for d in uploaded]
             n = requests_for(clients, args.requests)
             items = build_mix(
                 n, args.seed + clients, ids, passages, long_passages, args.docs_per_request, sparse
             )
-            outcomes, kinds, wall = run_load(server.url, model, items, clients, args.max_tokens, salt)
+            outcomes, kinds, wall = run_load(url, model, items, clients, args.max_tokens, salt)
             points[clients] = (point_summary(outcomes, kinds, wall), outcomes)
             log.info("max running %d, %d clients: %s", max_running, clients, points[clients][0])
-    finally:
-        server.stop()
     return points
 
 

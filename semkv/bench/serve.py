@@ -33,7 +33,9 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,6 +332,20 @@ def warm_up(base: str, model: str) -> None:
     warm = {"reuse": "none", "store_prompt": False, "chunks": ["A warm-up passage."], "max_tokens": 2}
     with httpx.Client(base_url=base, timeout=600) as client:
         stream_one(client, model, warm, "Warm up.", -1)
+
+
+@contextmanager
+def warm_local_server(args: argparse.Namespace, *more: str) -> Iterator[tuple[str, str]]:
+    """:func:`start_local_server` with ``more`` flags, ready and warmed up: yields (its URL, the served
+    model's id); the server is stopped on exit."""
+    server = start_local_server(args, *more)
+    try:
+        server.wait_ready(timeout=300.0)
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        warm_up(server.url, model)
+        yield server.url, model
+    finally:
+        server.stop()
 
 
 def routed_counts(router_url: str) -> Counter[tuple[str, str]]:
