@@ -205,6 +205,7 @@ class _Entry(Generic[S, J]):
     job: J | None = None
     seq: S | None = None
     stream: TextStream | None = None
+    cost: tuple[int, int] | None = None  # (prefills stored by then, its cost): see Scheduler._cost
 
 
 class Scheduler(Generic[S, J]):
@@ -229,6 +230,7 @@ class Scheduler(Generic[S, J]):
         self._live_ids: set[str] = set()
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._stored = 0  # prefills stored so far: a waiting request's cost is re-estimated after each
 
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(
@@ -330,7 +332,7 @@ class Scheduler(Generic[S, J]):
                 need = self._admission(entry)
                 if need is None:
                     return half  # it can never run: _admit ends it
-                if self._cost(need) <= budget - half:
+                if self._cost(entry) <= budget - half:
                     return half if self._fits_kv_now(need) else budget
         return budget
 
@@ -350,10 +352,17 @@ class Scheduler(Generic[S, J]):
                 return None
         return entry.admission
 
-    def _cost(self, need: Admission) -> int:
+    def _cost(self, entry: _Entry[S, J]) -> int:
         """Prompt tokens a request computes if it starts now: its prompt less the stored exact prefix it
-        would load (a blend's or share's recompute counts whole: known only once planned)."""
-        return max(1, need.prompt_tokens - self.runner.cached_prompt_tokens(need))
+        would load (a blend's or share's recompute counts whole: known only once planned). The store is
+        asked once, then again only after a prefill of this scheduler was stored (a waiting request is
+        looked at in every step; a prefix stored or evicted otherwise is seen then). Its admission must
+        be known."""
+        if entry.cost is None or entry.cost[0] != self._stored:
+            assert entry.admission is not None
+            need = entry.admission
+            entry.cost = (self._stored, max(1, need.prompt_tokens - self.runner.cached_prompt_tokens(need)))
+        return entry.cost[1]
 
     def _kv_fits(self, held: int, admissions: list[Admission]) -> bool:
         """Whether ``held`` bytes plus what starting ``admissions`` adds stays within max_live_kv_bytes."""
@@ -417,7 +426,7 @@ class Scheduler(Generic[S, J]):
             need = entry.admission
             if budget <= 0 and (computed or admitted):
                 break
-            cost = self._cost(need)
+            cost = self._cost(entry)
             if self.prefilling and cost > budget:
                 index += 1
                 continue
@@ -474,6 +483,7 @@ class Scheduler(Generic[S, J]):
         output = self._emit(entry)
         try:
             self.runner.store_prefill(entry.seq)
+            self._stored += 1
         except Exception as exc:  # storing is an optimisation for later requests, never this one's failure
             log.warning("storing the prefill of %s failed: %s", entry.request_id, exc)
         self._settle(entry, output, outputs)

@@ -68,6 +68,7 @@ class RuleRunner:
     live: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (job or sequence, its KV bytes)
     outside_kv: int = 0  # KV bytes held by something the scheduler does not run
     stored: set[str] | None = None  # prefix reuse, one word per block: the stored blocks' keys (None: off)
+    cost_lookups: int = 0  # calls of cached_prompt_tokens
 
     def admission(self, request: GenerateRequest) -> Admission:
         words = len((request.prompt or "").split())
@@ -79,6 +80,7 @@ class RuleRunner:
         return Admission(words, rows * BYTES_PER_TOKEN, rows, prefix_keys(request), 1)
 
     def cached_prompt_tokens(self, admission: Admission) -> int:
+        self.cost_lookups += 1
         if self.stored is None:
             return 0
         found = next((i for i, key in enumerate(admission.prefix_keys) if key not in self.stored), None)
@@ -533,4 +535,22 @@ def test_a_prefix_hit_starts_during_a_long_prefill():
     scheduler.add_request(request(hit))
     scheduler.step()
     assert runner.prefills == [hit] and runner.chunks[1:] == [(long_prompt, 4), (hit, 2)]
+    run_all(scheduler)
+
+
+def test_a_waiting_request_is_costed_once_until_a_prefill_is_stored():
+    """B (24 tokens) waits behind A's 48-token prefill (8-token steps): the store is asked for B's
+    cached prefix once, not in every step, and once more after A is stored."""
+    runner = RuleRunner(stored=set())
+    scheduler = Scheduler(runner, SchedulerConfig(max_running=8, max_batched_tokens=8))
+    scheduler.add_request(request(" ".join(f"a{i}" for i in range(48))))
+    scheduler.step()
+    scheduler.add_request(request(" ".join(f"b{i}" for i in range(24))))
+    for _ in range(4):
+        scheduler.step()
+    assert runner.prefills == [] and runner.cost_lookups == 2  # A when admitted, B once
+    scheduler.step()  # A completes with the step's whole budget and is stored
+    assert runner.prefills[0].startswith("a0") and runner.cost_lookups == 2
+    scheduler.step()  # B is costed again and starts
+    assert runner.cost_lookups == 3 and runner.chunks[-1][0].startswith("b0")
     run_all(scheduler)
