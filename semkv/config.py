@@ -88,6 +88,14 @@ class StoreConfig:
     redis_max_value_bytes: entries larger than this are not written to Redis.
     secret: the deployment's store secret (default: ``$SEMKV_STORE_SECRET``): every entry written to
         disk or Redis is signed with it, and an entry without a valid signature is a miss.
+    write_behind: write the disk and Redis tiers on a background thread (the memory tier at once;
+        an entry not yet written is served from the queue), so fsyncs and network round trips do not
+        stall the other streams of a batch; :meth:`KVStore.flush` waits for them, closing the store or
+        the interpreter's exit writes what is queued. Off by default here (an entry is on disk when
+        ``put`` returns, as a script running one engine after another expects); ``semkv serve`` turns
+        it on (``--sync-store-writes`` keeps it off).
+    write_behind_bytes: at most this many bytes of entries wait for the background writes; a write
+        beyond that waits for room.
     """
 
     memory_bytes: int = 2 * 1024**3
@@ -99,8 +107,18 @@ class StoreConfig:
     redis_wait_replicas: int | None = None
     redis_max_value_bytes: int = 64 * 1024**2
     secret: str | None = field(default_factory=_secret_from_env, repr=False)
+    write_behind: bool = False
+    write_behind_bytes: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
+        if not isinstance(self.write_behind, bool):
+            raise ValueError(f"write_behind must be a bool, got {self.write_behind!r}")
+        if (
+            isinstance(self.write_behind_bytes, bool)
+            or not isinstance(self.write_behind_bytes, int)
+            or self.write_behind_bytes < 1
+        ):
+            raise ValueError(f"write_behind_bytes must be an int >= 1, got {self.write_behind_bytes!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
             raise ValueError("secret must be a str of at least 16 characters (or None)")
         if isinstance(self.redis_max_value_bytes, bool) or not isinstance(self.redis_max_value_bytes, int):

@@ -58,6 +58,12 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
     p.add_argument("--models-dir", default=None, help="converted models folder (default <home>/models)")
     p.add_argument("--no-disk", action="store_true", help="no local disk tier (memory [+ Redis] only)")
     p.add_argument("--memory-mb", type=int, default=2048, help="byte budget of the memory tier, MiB")
+    p.add_argument(
+        "--sync-store-writes",
+        action="store_true",
+        help="write the disk and Redis tiers on the engine thread (default: on a background thread, so "
+        "fsyncs and Redis round trips do not stall the running streams)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument(
         "--default",
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         redis_namespace=args.redis_namespace,
         redis_wait_replicas=args.redis_wait,
         secret=args.store_secret or os.environ.get(STORE_SECRET_ENV) or None,
+        write_behind=not args.sync_store_writes,
     )
     if config.api_keys is not None:
         log.warning("API keys on: %d keys, tenants %s", len(config.api_keys), sorted(config.api_keys.tenants))

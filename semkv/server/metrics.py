@@ -3,7 +3,8 @@
 Request metrics are updated as requests finish; store metrics are read from the
 store's counters at scrape time (one source of truth, nothing double-counted):
 every field of every tier's stats becomes ``semkv_store_tier_<field>_total{tier=...}``,
-plus ``semkv_store_tier_bytes`` / ``semkv_store_tier_entries`` gauges. Background work that
+plus ``semkv_store_tier_bytes`` / ``semkv_store_tier_entries`` gauges, and the write-behind queue's
+counters and ``semkv_store_write_behind_pending_{entries,bytes}`` gauges. Background work that
 failed without failing a request (a post-prefill hook, a share index or document record write)
 is ``semkv_background_failures_total{what=...}``.
 """
@@ -57,6 +58,24 @@ class StoreCollector:
         yield from fields.values()
         yield nbytes
         yield entries
+        yield from self._write_behind(store)
+
+    @staticmethod
+    def _write_behind(store: Any) -> Iterator[Metric]:
+        """``semkv_store_write_behind_<field>_total`` counters and pending gauges of the store's writer."""
+        writer = getattr(store, "writer", None)
+        if writer is None:
+            return
+        for name, value in writer.stats.as_dict().items():
+            family = CounterMetricFamily(f"semkv_store_write_behind_{name}", f"write-behind {name}")
+            family.add_metric([], float(value))
+            yield family
+        for name, value in (("entries", writer.pending_entries()), ("bytes", writer.pending_bytes())):
+            gauge = GaugeMetricFamily(
+                f"semkv_store_write_behind_pending_{name}", f"{name} queued for the tiers below memory"
+            )
+            gauge.add_metric([], float(value))
+            yield gauge
 
 
 class FailureCollector:

@@ -2,6 +2,10 @@
 
 An entry read from a tier below memory (decoded from bytes someone else may have written) is also
 checked for the model's KV shape and for finite values before it is served or promoted.
+
+Writes to the tiers below memory (disk, Redis) are written behind by default: :meth:`KVStore.put`
+writes the memory tier and queues the entry for a :class:`~semkv.store.writer.TierWriter` thread,
+and reads serve a queued entry until it is written (see ``semkv/store/writer.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from semkv.config import StoreConfig
 from semkv.store.entry import KVEntry, KVShape, check_tensors
 from semkv.store.keys import EntryKey, EntryKind
 from semkv.store.tiers import DiskTier, MemoryTier, Tier
+from semkv.store.writer import TierWriter
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,20 @@ class StoreStats:
 
 
 class KVStore:
-    """Tiers fastest first. A lower-tier hit is promoted into the faster tiers."""
+    """Tiers fastest first. A lower-tier hit is promoted into the faster tiers.
 
-    def __init__(self, tiers: Sequence[Tier], fingerprint: str, shape: KVShape | None = None) -> None:
+    write_behind_bytes: when set (and the first tier is memory with tiers below it), writes to the
+    tiers below memory go through a :class:`TierWriter` holding at most this many bytes of queued
+    entries; None writes every tier on the caller's thread.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        fingerprint: str,
+        shape: KVShape | None = None,
+        write_behind_bytes: int | None = None,
+    ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers: list[Tier] = list(tiers)
@@ -47,6 +63,9 @@ class KVStore:
         self.shape = shape
         self.stats = StoreStats()
         self._closed = False
+        self.writer: TierWriter | None = None
+        if write_behind_bytes is not None and isinstance(self.tiers[0], MemoryTier) and len(self.tiers) > 1:
+            self.writer = TierWriter(self.tiers[1:], self._put_into, write_behind_bytes)
 
     @classmethod
     def from_config(
@@ -70,7 +89,7 @@ class KVStore:
                     max_value_bytes=config.redis_max_value_bytes,
                 )
             )
-        return cls(tiers, fingerprint, shape)
+        return cls(tiers, fingerprint, shape, config.write_behind_bytes if config.write_behind else None)
 
     @property
     def memory(self) -> MemoryTier | None:
@@ -125,6 +144,11 @@ class KVStore:
         for depth, tier in enumerate(self.tiers):
             try:
                 entry = tier.get(key)
+                if entry is None and depth == 0 and self.writer is not None:
+                    # queued for the tiers below (ours, as we put it): back into memory if it fits
+                    entry = self.writer.pending(key)
+                    if entry is not None and self._owned(entry, key, token_ids, kind, expect_meta):
+                        self._put_into(tier, entry)
             except Exception as exc:  # a cache failure must never fail the request
                 self._tier_failed(tier, "read", key, exc)
                 continue
@@ -153,6 +177,8 @@ class KVStore:
         return None
 
     def contains(self, key: EntryKey) -> bool:
+        if self.writer is not None and self.writer.pending(key) is not None:
+            return True
         for tier in self.tiers:
             try:
                 if key in tier:
@@ -168,6 +194,8 @@ class KVStore:
         an entry kept only in memory while Redis (or the disk) was failing is written to
         it again once it is back, so other processes can reuse it.
         """
+        if self.writer is not None and self.writer.pending(key) is not None:
+            return True  # queued for every tier below memory
         for tier in self.tiers:
             if getattr(tier, "available", True) is False:
                 continue
@@ -190,8 +218,11 @@ class KVStore:
         if entry.fingerprint != self.fingerprint:
             raise ValueError("entry fingerprint does not match this store's model")
         self.stats.puts += 1
-        stored = [self._put_into(tier, entry) for tier in self.tiers]
-        return any(stored)
+        if self.writer is None:
+            return any([self._put_into(tier, entry) for tier in self.tiers])
+        self._put_into(self.tiers[0], entry)
+        self.writer.submit(entry)
+        return True
 
     def _drop(self, tier: Tier, key: EntryKey) -> None:
         """Remove an unusable entry from one tier (so a good one can be written there); never raises."""
@@ -201,8 +232,14 @@ class KVStore:
             self._tier_failed(tier, "delete", key, exc)
 
     def delete(self, key: EntryKey) -> None:
+        if self.writer is not None:
+            self.writer.cancel(key)
         for tier in self.tiers:
             tier.delete(key)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write behind is done (at once without a writer); False on timeout."""
+        return True if self.writer is None else self.writer.flush(timeout_s)
 
     @contextmanager
     def pinned(self, keys: Sequence[EntryKey]) -> Iterator[None]:
@@ -216,19 +253,28 @@ class KVStore:
                 memory.unpin(k)  # type: ignore[union-attr]
 
     def summary(self) -> dict[str, object]:
-        return {
+        summary: dict[str, object] = {
             "store": self.stats.as_dict(),
             "tiers": {
                 t.name: {**t.stats.as_dict(), "entries": sum(1 for _ in t.keys()), "bytes": t.nbytes()}
                 for t in self.tiers
             },
         }
+        if self.writer is not None:
+            summary["write_behind"] = {
+                **self.writer.stats.as_dict(),
+                "pending_entries": self.writer.pending_entries(),
+                "pending_bytes": self.writer.pending_bytes(),
+            }
+        return summary
 
     def close(self) -> None:
         """Record this process's hit counters beside the disk tier (for ``semkv cache stats``); close tiers."""
         if self._closed:
             return
         self._closed = True
+        if self.writer is not None:
+            self.writer.close()  # writes what is queued first
         disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
         if disk is not None and (self.stats.lookups or self.stats.puts):
             disk.record_usage(

@@ -6,6 +6,7 @@ import json
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from semkv.server import ServerConfig
 
@@ -133,8 +134,6 @@ def test_prefix_reuse_visible_in_stats_and_metrics(client):
 
 def test_server_defaults_and_overrides(tiny_app):
     """Server-wide engine defaults apply unless the request's semkv field overrides them; bad defaults fail."""
-    from fastapi.testclient import TestClient
-
     app = tiny_app(ServerConfig(defaults={"reuse": "none"}, debug_stats=True))
     with TestClient(app) as c:
         request = {"model": TINY, "prompt": "A long shared system prompt " * 8, "max_tokens": 2}
@@ -178,3 +177,22 @@ def test_openai_client(client):
     assert err.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-4o", prompt="x")
+
+
+def test_a_write_behind_store_serves_requests_and_reports_its_queue(tiny_app):
+    """With ``write_behind`` on (what ``semkv serve`` runs), a repeated prompt is served from the prefix
+    its first request stored, /metrics reports the writer, and the prefix blocks reach the disk."""
+    app = tiny_app(write_behind=True)
+    engine = app.state.semkv.engine
+    body = {"model": TINY, "prompt": "The same long prompt, twice. " * 6, "max_tokens": 2, "temperature": 0}
+    with TestClient(app, raise_server_exceptions=False) as c:
+        first = c.post("/v1/completions", json=body).json()
+        second = c.post("/v1/completions", json=body).json()
+        text = c.get("/metrics").text
+    assert second["semkv"]["path"] == "prefix" and second["semkv"]["reused_tokens"] > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert "semkv_store_write_behind_submitted_total" in text
+    assert "semkv_store_write_behind_pending_bytes" in text
+    assert engine.store.flush(10)
+    disk = engine.store.tier("disk")
+    assert disk.stats.writes > 0 and engine.store.writer.stats.written == engine.store.writer.stats.submitted
