@@ -26,6 +26,12 @@ BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def _single(family: CounterMetricFamily | GaugeMetricFamily, value: float) -> Metric:
+    """``family`` with its one unlabelled sample."""
+    family.add_metric([], float(value))
+    return family
+
+
 class StoreCollector:
     """Reads ``store.stats`` and every tier's ``stats`` / ``nbytes()`` / ``keys()`` when scraped."""
 
@@ -37,9 +43,9 @@ class StoreCollector:
         if store is None:
             return
         for name, value in store.stats.as_dict().items():
-            family = CounterMetricFamily(f"semkv_store_{name}", f"store-level {name} (all tiers)")
-            family.add_metric([], float(value))
-            yield family
+            yield _single(
+                CounterMetricFamily(f"semkv_store_{name}", f"store-level {name} (all tiers)"), value
+            )
         fields: dict[str, CounterMetricFamily] = {}
         nbytes = GaugeMetricFamily("semkv_store_tier_bytes", "bytes held by the tier", labels=["tier"])
         entries = GaugeMetricFamily("semkv_store_tier_entries", "entries held by the tier", labels=["tier"])
@@ -67,15 +73,12 @@ class StoreCollector:
         if writer is None:
             return
         for name, value in writer.stats.as_dict().items():
-            family = CounterMetricFamily(f"semkv_store_write_behind_{name}", f"write-behind {name}")
-            family.add_metric([], float(value))
-            yield family
-        for name, value in (("entries", writer.pending_entries()), ("bytes", writer.pending_bytes())):
-            gauge = GaugeMetricFamily(
-                f"semkv_store_write_behind_pending_{name}", f"{name} queued for the tiers below memory"
+            yield _single(
+                CounterMetricFamily(f"semkv_store_write_behind_{name}", f"write-behind {name}"), value
             )
-            gauge.add_metric([], float(value))
-            yield gauge
+        for name, value in (("entries", writer.pending_entries()), ("bytes", writer.pending_bytes())):
+            help_text = f"{name} queued for the tiers below memory"
+            yield _single(GaugeMetricFamily(f"semkv_store_write_behind_pending_{name}", help_text), value)
 
 
 class FailureCollector:

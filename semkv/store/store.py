@@ -3,9 +3,9 @@
 An entry read from a tier below memory (decoded from bytes someone else may have written) is also
 checked for the model's KV shape and for finite values before it is served or promoted.
 
-Writes to the tiers below memory (disk, Redis) are written behind by default: :meth:`KVStore.put`
-writes the memory tier and queues the entry for a :class:`~semkv.store.writer.TierWriter` thread,
-and reads serve a queued entry until it is written (see ``semkv/store/writer.py``).
+The tiers below memory (disk, Redis) can be written behind (``StoreConfig.write_behind``, on in ``semkv
+serve``): :meth:`KVStore.put` then writes the memory tier and queues the entry for a
+:class:`~semkv.store.writer.TierWriter` thread, and reads serve a queued entry until it is written.
 """
 
 from __future__ import annotations
