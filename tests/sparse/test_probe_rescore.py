@@ -29,7 +29,14 @@ from semkv.models.cache import KVCache
 from semkv.sparse import SparseConfig, SparseDecoder
 from semkv.sparse.base import StepView, topk_blocks
 from semkv.sparse.index import BlockIndex, PrefillQueries, capture_prefill_queries
-from semkv.sparse.probe import ProbePolicy, mean_key_scores, window_block_scores
+from semkv.sparse.probe import (
+    ProbePolicy,
+    ScratchBuffers,
+    head_block_mass,
+    mean_key_scores,
+    shortlist_block_mass,
+    window_block_scores,
+)
 from tests.conftest import tiny_hf_model
 from tests.sparse.test_probe_exact_layers import Capture  # per (step, layer): query and keys
 
@@ -212,3 +219,36 @@ def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer
             cheap_choice = sorted(reserved | set(rest[: budget - len(reserved)]))
             differs += cheap_choice != expected
     assert differs > 0  # the exact check changed the mean keys' choice at some step
+
+
+# -- the fused gather-and-score kernel -------------------------------------------------------------------
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_shortlist_block_mass_equals_the_mass_over_gathered_keys(compute_dtype):
+    """Injected: a 3-layer cache (2 KV heads, 6 query heads, head dim 8, block size 4) in float32 or bfloat16,
+    scored three times with one set of buffers, on shortlists of 5, 2 and 7 blocks (the buffers shrink in
+    use, then grow). Must happen: each result equals ``head_block_mass`` over the same rows gathered afresh
+    into float32 (the new row masked for every layer but the flagged one), so no buffer carries a stale
+    row from an earlier, longer call."""
+    cache = KVCache(3, 2, 8, 64, torch.float32, compute_dtype)
+    cache.reserve(64)
+    g = torch.Generator().manual_seed(3)
+    rows = cache.append_rows(torch.arange(60), list(range(60)))
+    for layer in range(3):
+        k = torch.randn(2, 60, 8, generator=g)
+        cache.write(layer, slice(0, 60), k, k, torch.randn(2, 60, 8, generator=g))
+    q = torch.randn(3, 6, 8, generator=g)
+    buffers = ScratchBuffers()
+    for count in (5, 2, 7):
+        blocks = torch.randperm(12, generator=g)[:count]
+        read = torch.cat(
+            [(blocks.unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten(), torch.arange(56, 60)]
+        )
+        attends_new = torch.tensor([False, True, False])
+        got = shortlist_block_mass(q, cache, (0, 1, 2), read, attends_new, BLOCK, count, buffers)
+        keys = torch.stack([cache.keys(layer).index_select(1, read).float() for layer in range(3)])
+        visible = torch.ones(3, read.numel(), dtype=torch.bool)
+        visible[:, -1] = attends_new
+        want = head_block_mass(q.unsqueeze(2), keys, BLOCK, count, visible[:, None, None, None])[:, :, 0]
+        assert got.shape == (3, 6, count)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert rows == 0
