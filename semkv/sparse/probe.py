@@ -208,13 +208,17 @@ class ProbePolicy(SparsePolicy):
         (39 cases) rescore 2 / 3 / 4 +1.2 / -0.8 / +1.9 vs dense (the probe -2.7), every layer its own
         selection (``exact_layers`` all, rescore 3) +4.1 [-3.8, +12.0]; test (130 cases) rescore 3 -3.5
         [-8.0, +1.0] vs dense and +2.6 [-1.3, +6.6] vs the probe, every layer with rescore 3 -1.9
-        [-6.3, +2.5] vs dense and +4.3 [-0.1, +8.6] vs the probe (the probe -6.2 [-11.0, -1.4]). Cost at
-        8K (2 threads, exclusive): 48 ms a step against dense's 32 and the probe's 25 (selection 51% of a
-        step; every layer 50 ms): gathering 3.5 x 10% of the keys into float32 costs as much as exact_keys'
-        scores over every key (47 ms). Not a default: it closes most of the quality gap, and is slower
-        than dense.
+        [-6.3, +2.5] vs dense and +4.3 [-0.1, +8.6] vs the probe (the probe -6.2 [-11.0, -1.4]). At 8K
+        (78 test cases, 6 per task): -0.7 [-4.9, +3.6] vs dense, the probe -6.7. Cost at 8K (2 threads,
+        exclusive, ``--e2e``, three runs): a step costs 0.87-1.05x dense's (selection 28-29% of it), since the keys
+        are gathered, converted and scored one layer at a time in buffers kept across steps
+        (``shortlist_block_mass``; the same tokens on all 78 cases); before, with a fresh float32 buffer
+        for every layer's keys each step, 0.78-0.83x (selection 38-46%). Not a default: it closes the
+        quality gap at dense's speed, not faster.
     rescore_stride: rescore with every ``rescore_stride``-th layer of a group (its first, the one whose query
-        is this step's, always): the exact scores read the shortlist's keys of those layers only.
+        is this step's, always): the exact scores read the shortlist's keys of those layers only. RULER
+        at 8K (the same 78 cases, rescore 3): stride 2 -1.5 [-3.2, -0.1] and stride 4 -2.4 [-5.2, -0.4]
+        vs stride 1 (the same tokens in 52 / 47 of 78).
     keep_steps: steps a selected block stays resident after it was last selected.
     """
 
