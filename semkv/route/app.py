@@ -307,7 +307,10 @@ def create_router_app(config: RouterConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # Idle connections expire before a backend's own keep-alive timeout (uvicorn: 5 s), so the router
+        # does not reuse a connection the backend is closing, which would fail the request there and
+        # retry it on another backend, losing its affinity.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             state.client = client
             await state.check_all()  # first picture of the backends before the first request

@@ -38,7 +38,9 @@ def backends():
 @pytest.fixture(scope="module")
 def router(backends, tmp_path_factory):
     log = tmp_path_factory.mktemp("router") / "route.log"
-    proc = RouteProcess([b.url for b in backends], log, "--health-interval", "0.2", "--health-timeout", "0.5")
+    # A patient health timeout: on a loaded 2-core machine a 0.5 s one marked live backends down.
+    # A stopped backend refuses the connection at once, so it is still seen down within an interval.
+    proc = RouteProcess([b.url for b in backends], log, "--health-interval", "0.2", "--health-timeout", "5")
     proc.wait_ready(timeout=60)
     yield proc
     proc.stop()
@@ -115,8 +117,8 @@ def test_one_prompt_one_backend_many_prompts_both(router, backends):
     assert served == {owner(backends, "Same prompt.").name}
     prompts = [f"Prompt number {i} about a different subject." for i in range(24)]
     answers = [httpx.post(f"{router.url}/v1/completions", json=completion(p)) for p in prompts]
-    assert [a.json()["served_by"] for a in answers] == [owner(backends, p).name for p in prompts]
-    assert {a.headers["x-semkv-route"] for a in answers} == {"affinity"}
+    routes = [(a.json()["served_by"], a.headers["x-semkv-route"]) for a in answers]
+    assert routes == [(owner(backends, p).name, "affinity") for p in prompts], router.log()
     assert len({a.json()["served_by"] for a in answers}) == 2
 
 

@@ -6,14 +6,15 @@ best mean logits), and a needle block whose keys lean away from it but for one k
 (a middling mean logit, an attention weight far above any decoy key's); a tiny 2-layer Llama (block size
 4, 200-token prompt, 10% budget, the question probe on) decoding 8 steps with rescore 2, its gather hook
 wrapped to capture each layer's query and keys as the layer attends, once with one selection per step
-(previous step's queries) and once with every layer its own selection (its current query).
-Must happen: a bad setting raises a ValueError naming ``rescore``; on the hand-built cache the plain probe
+(previous step's queries), once with every layer its own selection (its current query), and once with one
+selection per step rescored by every second layer only (``rescore_stride=2``).
+Must happen: a bad setting raises a ValueError naming ``rescore`` (``rescore_stride``); on the hand-built cache the plain probe
 keeps the decoys, the probe with rescore keeps the needle block, and both its choice and that of the
 exact-keys probe equal the top of the exact attention computed here independently (over the shortlist's,
 the sink's and the window's rows for rescore; over every row for exact keys); in the decode, every step's
 selection is the question's reserved blocks plus the budget's rest taken, by the exact attention of the
 same queries computed here independently (rows: shortlist, sink, window; the new row only for a current
-query), from the ``ceil(rescore x budget)`` blocks the mean keys rank best besides the reserved ones, and
+query; with a stride, the group's layers 0, 2, ... only), from the ``ceil(rescore x budget)`` blocks the mean keys rank best besides the reserved ones, and
 at some step that differs from the mean keys' own choice.
 """
 
@@ -29,7 +30,14 @@ from semkv.models.cache import KVCache
 from semkv.sparse import SparseConfig, SparseDecoder
 from semkv.sparse.base import StepView, topk_blocks
 from semkv.sparse.index import BlockIndex, PrefillQueries, capture_prefill_queries
-from semkv.sparse.probe import ProbePolicy, mean_key_scores, window_block_scores
+from semkv.sparse.probe import (
+    ProbePolicy,
+    ScratchBuffers,
+    head_block_mass,
+    mean_key_scores,
+    shortlist_block_mass,
+    window_block_scores,
+)
 from tests.conftest import tiny_hf_model
 from tests.sparse.test_probe_exact_layers import Capture  # per (step, layer): query and keys
 
@@ -40,6 +48,12 @@ BLOCK = 4
 def test_bad_rescore(value):
     with pytest.raises(ValueError, match="rescore must be 0 \\(off\\) or a finite number >= 1"):
         ProbePolicy(rescore=value)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "2", None])
+def test_bad_rescore_stride(value):
+    with pytest.raises(ValueError, match="rescore_stride must be an integer >= 1"):
+        ProbePolicy(rescore=3, rescore_stride=value)
 
 
 def test_good_rescore_values_are_kept():
@@ -136,8 +150,12 @@ CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8)
 RESCORE = 2.0
 
 
-@pytest.mark.parametrize("per_layer", [False, True], ids=["once-per-step", "every-layer-current-query"])
-def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer):
+@pytest.mark.parametrize(
+    "per_layer, stride",
+    [(False, 1), (True, 1), (False, 2)],
+    ids=["once-per-step", "every-layer-current-query", "once-per-step-every-2nd-layer-rescores"],
+)
+def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer, stride):
     model = tiny_hf_model("llama", len(tokenizer))
     runtime = Runtime(adapter_for("llama")(model), torch.float32)
     ids = torch.randint(3, len(tokenizer), (200,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -145,7 +163,9 @@ def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer
     with capture_prefill_queries(cache) as queries:
         logits = runtime.prefill(cache, ids)
     layers = runtime.num_layers
-    policy = ProbePolicy(rescore=RESCORE, exact_layers=tuple(range(layers)) if per_layer else ())
+    policy = ProbePolicy(
+        rescore=RESCORE, rescore_stride=stride, exact_layers=tuple(range(layers)) if per_layer else ()
+    )
     decoder = SparseDecoder(policy, SparseConfig(**CONFIG), BLOCK, prefill=queries)
     capture = Capture(decoder)
     for _ in range(STEPS):
@@ -193,7 +213,7 @@ def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer
             # the exact attention of the same queries over the rows read
             blocks = torch.tensor(shortlist)
             exact = []
-            for layer in group:
+            for layer in group[::stride]:
                 keys = capture.seen[(step, layer)][1]
                 end = length if layer == current else length - 1  # the new row: for the current query only
                 read = torch.cat(
@@ -212,3 +232,36 @@ def test_decode_selection_is_the_exact_top_of_the_shortlist(tokenizer, per_layer
             cheap_choice = sorted(reserved | set(rest[: budget - len(reserved)]))
             differs += cheap_choice != expected
     assert differs > 0  # the exact check changed the mean keys' choice at some step
+
+
+# -- the fused gather-and-score kernel -------------------------------------------------------------------
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_shortlist_block_mass_equals_the_mass_over_gathered_keys(compute_dtype):
+    """Injected: a 3-layer cache (2 KV heads, 6 query heads, head dim 8, block size 4) in float32 or bfloat16,
+    scored three times with one set of buffers, on shortlists of 5, 2 and 7 blocks (the buffers shrink in
+    use, then grow). Must happen: each result equals ``head_block_mass`` over the same rows gathered afresh
+    into float32 (the new row masked for every layer but the flagged one), so no buffer carries a stale
+    row from an earlier, longer call."""
+    cache = KVCache(3, 2, 8, 64, torch.float32, compute_dtype)
+    cache.reserve(64)
+    g = torch.Generator().manual_seed(3)
+    rows = cache.append_rows(torch.arange(60), list(range(60)))
+    for layer in range(3):
+        k = torch.randn(2, 60, 8, generator=g)
+        cache.write(layer, slice(0, 60), k, k, torch.randn(2, 60, 8, generator=g))
+    q = torch.randn(3, 6, 8, generator=g)
+    buffers = ScratchBuffers()
+    for count in (5, 2, 7):
+        blocks = torch.randperm(12, generator=g)[:count]
+        read = torch.cat(
+            [(blocks.unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten(), torch.arange(56, 60)]
+        )
+        attends_new = torch.tensor([False, True, False])
+        got = shortlist_block_mass(q, cache, (0, 1, 2), read, attends_new, BLOCK, count, buffers)
+        keys = torch.stack([cache.keys(layer).index_select(1, read).float() for layer in range(3)])
+        visible = torch.ones(3, read.numel(), dtype=torch.bool)
+        visible[:, -1] = attends_new
+        want = head_block_mass(q.unsqueeze(2), keys, BLOCK, count, visible[:, None, None, None])[:, :, 0]
+        assert got.shape == (3, 6, count)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert rows == 0
