@@ -274,7 +274,6 @@ class ProbePolicy(SparsePolicy):
                 f"rescore must be 0 (off) or a finite number >= 1 (a shortlist of rescore x budget blocks), "
                 f"got {self.rescore!r}"
             )
-
         if (
             isinstance(self.rescore_stride, bool)
             or not isinstance(self.rescore_stride, int)

@@ -105,7 +105,9 @@ def test_stream_is_relayed_as_it_comes(router):
                 arrivals.append((time.perf_counter() - start, line[6:]))
     assert [a[1] for a in arrivals][-1] == "[DONE]"
     assert [json.loads(a[1])["i"] for a in arrivals[:-1]] == [0, 1, 2]
-    assert arrivals[0][0] < 0.35, arrivals  # the first event is not held back ...
+    # The backend sends its events at 0, 0.4 and 0.8 s and ends at 1.2 s. Held back to the end, all would arrive
+    # together after 1.2 s. The first one's bound leaves room for a slow connection on a loaded machine.
+    assert arrivals[0][0] < 0.7, arrivals  # the first event is not held back ...
     assert arrivals[2][0] - arrivals[0][0] > 0.6, arrivals  # ... until the later ones are sent
 
 
