@@ -79,6 +79,12 @@ def mean_key_scores(q: Tensor, means: Tensor, head_agg: str) -> Tensor:
     return aggregate_heads(probs, head_agg)
 
 
+def block_sums(probs: Tensor, block_size: int, num_blocks: int) -> Tensor:
+    """[..., R] attention weights over rows whose first ``num_blocks * block_size`` are whole blocks ->
+    [..., num_blocks] each block's share."""
+    return probs[..., : num_blocks * block_size].unflatten(-1, (num_blocks, block_size)).sum(-1)
+
+
 def head_block_mass(
     q: Tensor, keys: Tensor, block_size: int, num_blocks: int, visible: Tensor | None = None
 ) -> Tensor:
@@ -94,7 +100,7 @@ def head_block_mass(
     if visible is not None:
         logits = logits.masked_fill(~visible, -math.inf)
     probs = torch.softmax(logits, dim=-1).reshape(*lead, nh, n, total)
-    return probs[..., : num_blocks * block_size].reshape(*lead, nh, n, num_blocks, block_size).sum(-1)
+    return block_sums(probs, block_size, num_blocks)
 
 
 class ScratchBuffers:
@@ -141,8 +147,7 @@ def shortlist_block_mass(
         torch.matmul(q[i].float().view(kvh, nh // kvh, d), keys.transpose(-1, -2), out=logits[i])
     logits.div_(math.sqrt(d))
     logits[~attends_new, :, :, -1] = -math.inf
-    probs = torch.softmax(logits, dim=-1).view(num_layers, nh, total)
-    return probs[..., : num_blocks * block_size].reshape(num_layers, nh, num_blocks, block_size).sum(-1)
+    return block_sums(torch.softmax(logits, dim=-1).view(num_layers, nh, total), block_size, num_blocks)
 
 
 def window_block_scores(q: Tensor, keys: Tensor, block_size: int, num_blocks: int, head_agg: str) -> Tensor:

@@ -8,14 +8,14 @@ best mean logits), and a needle block whose keys lean away from it but for one k
 wrapped to capture each layer's query and keys as the layer attends, once with one selection per step
 (previous step's queries), once with every layer its own selection (its current query), and once with one
 selection per step rescored by every second layer only (``rescore_stride=2``).
-Must happen: a bad setting raises a ValueError naming ``rescore`` (``rescore_stride``); on the hand-built cache the plain probe
-keeps the decoys, the probe with rescore keeps the needle block, and both its choice and that of the
+Must happen: a bad setting raises a ValueError naming ``rescore`` (``rescore_stride``); on the hand-built
+cache the plain probe keeps the decoys, the probe with rescore keeps the needle block, and both its choice and that of the
 exact-keys probe equal the top of the exact attention computed here independently (over the shortlist's,
 the sink's and the window's rows for rescore; over every row for exact keys); in the decode, every step's
 selection is the question's reserved blocks plus the budget's rest taken, by the exact attention of the
 same queries computed here independently (rows: shortlist, sink, window; the new row only for a current
-query; with a stride, the group's layers 0, 2, ... only), from the ``ceil(rescore x budget)`` blocks the mean keys rank best besides the reserved ones, and
-at some step that differs from the mean keys' own choice.
+query; with a stride, the group's layers 0, 2, ... only), from the ``ceil(rescore x budget)`` blocks the
+mean keys rank best besides the reserved ones, and at some step that differs from the mean keys' own choice.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def test_shortlist_block_mass_equals_the_mass_over_gathered_keys(compute_dtype):
     cache = KVCache(3, 2, 8, 64, torch.float32, compute_dtype)
     cache.reserve(64)
     g = torch.Generator().manual_seed(3)
-    rows = cache.append_rows(torch.arange(60), list(range(60)))
+    assert cache.append_rows(torch.arange(60), list(range(60))) == 0
     for layer in range(3):
         k = torch.randn(2, 60, 8, generator=g)
         cache.write(layer, slice(0, 60), k, k, torch.randn(2, 60, 8, generator=g))
@@ -264,4 +264,3 @@ def test_shortlist_block_mass_equals_the_mass_over_gathered_keys(compute_dtype):
         want = head_block_mass(q.unsqueeze(2), keys, BLOCK, count, visible[:, None, None, None])[:, :, 0]
         assert got.shape == (3, 6, count)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    assert rows == 0
