@@ -448,6 +448,7 @@ class Runtime:
         tables = self._tables(positions)
         k_pos = [cache.valid_positions() for cache in caches]
         ordered = [in_order(p) for p in k_pos]  # once per step, not per layer
+        whole = [self._whole_buffer_mask(cache, known) for cache, known in zip(caches, ordered, strict=True)]
         shared = self._shared_step(caches, slots, gatherers, ordered, kv_limit)
         members = set(shared.members.tolist()) if shared is not None else set()
         for layer in range(a.num_layers):
@@ -480,6 +481,11 @@ class Runtime:
                     if picked is not None:
                         out[one] = self._gathered_attention(layer, q_rot, positions[one], picked)
                         continue
+                mask = whole[i]
+                if mask is not None and a.window(layer) is None:
+                    scaled = q_rot * a.scaling(layer)
+                    out[one] = decode_products(scaled, cache.k_rot[layer], cache.v[layer], mask[0])
+                    continue
                 out[one] = attention(
                     q_rot,
                     keys,
@@ -492,6 +498,30 @@ class Runtime:
                 )
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)
+
+    def _whole_buffer_mask(self, cache: KVCache, ordered: bool) -> tuple[Tensor | None] | None:
+        """(additive mask [1, capacity] hiding the rows past the length, or None if there are none) when
+        this step's global layers attend over the cache's whole buffers, else None (over its valid rows).
+
+        torch's CPU batched matmul copies an operand that is a leading slice of a buffer ([kvh, length, d]
+        of [kvh, capacity, d]) before multiplying, and reads a whole contiguous buffer as it is (bf16,
+        [3, 7800 of 8192, 64]: keys 257 vs 189 us, values 176 vs 100 us with the copy and without). So on
+        CPU in bf16 / fp16, when every row precedes the new one (``ordered``: positions in order, the new
+        row last) and the padding is at most a quarter of the rows, the whole buffer is read with the rows
+        past the length masked (finite: :meth:`KVCache.reserve` zeroes them)."""
+        fast = self.device.type == "cpu" and self.compute_dtype in (torch.bfloat16, torch.float16)
+        if not (
+            fast and ordered and 4 * cache.capacity <= 5 * cache.length and cache.k_rot[0].is_contiguous()
+        ):
+            return None
+        if cache.capacity == cache.length:
+            return (None,)
+        bias = torch.zeros(1, cache.capacity, dtype=self.compute_dtype, device=self.device)
+        return (
+            bias.index_fill_(
+                1, torch.arange(cache.length, cache.capacity, device=self.device), float("-inf")
+            ),
+        )
 
     def _gathered_attention(
         self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: GatheredRows | tuple[Tensor, Tensor, Tensor]
