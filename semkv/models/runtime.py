@@ -448,9 +448,12 @@ class Runtime:
         tables = self._tables(positions)
         k_pos = [cache.valid_positions() for cache in caches]
         ordered = [in_order(p) for p in k_pos]  # once per step, not per layer
-        whole = [self._whole_buffer_mask(cache, known) for cache, known in zip(caches, ordered, strict=True)]
         shared = self._shared_step(caches, slots, gatherers, ordered, kv_limit)
         members = set(shared.members.tolist()) if shared is not None else set()
+        whole = [  # the arena's members attend together (or, on window layers, over their window)
+            None if i in members else self._whole_buffer_mask(cache, ordered[i])
+            for i, cache in enumerate(caches)
+        ]
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
             cos, sin = tables(layer)
@@ -517,11 +520,8 @@ class Runtime:
         if cache.capacity == cache.length:
             return (None,)
         bias = torch.zeros(1, cache.capacity, dtype=self.compute_dtype, device=self.device)
-        return (
-            bias.index_fill_(
-                1, torch.arange(cache.length, cache.capacity, device=self.device), float("-inf")
-            ),
-        )
+        bias[:, cache.length :] = float("-inf")
+        return (bias,)
 
     def _gathered_attention(
         self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: GatheredRows | tuple[Tensor, Tensor, Tensor]
