@@ -96,3 +96,31 @@ def test_decode_products_contiguous_and_sliced_keys_agree(masked: bool) -> None:
     sliced = decode_products(query, keys[:, :150], values[:, :150], bias)
     whole = decode_products(query, keys[:, :150].contiguous(), values[:, :150].contiguous(), bias)
     torch.testing.assert_close(sliced.float(), whole.float(), atol=1e-2, rtol=0.0)
+
+
+def test_a_cache_left_alone_in_an_arena_slot_decodes_over_the_slot() -> None:
+    """Two caches decode together in arena slots as wide as the wider one; the other leaves and the
+    narrower one decodes alone over its slot, whose buffers are longer than its own capacity (the mask
+    must span the slot's rows, not the capacity). It must keep giving its twin's tokens."""
+    runtime = _runtime()
+    prompt = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    narrow, twin = runtime.new_cache(62), runtime.new_cache(62)
+    token = int(runtime.prefill(narrow, prompt[:56]).argmax())
+    runtime.prefill(twin, prompt[:56])
+    wide = runtime.new_cache(64)
+    wide_token = int(runtime.prefill(wide, prompt).argmax())
+    tokens = [token, token]
+    for _ in range(2):
+        together = runtime.decode_batch([narrow, wide], [tokens[0], wide_token])
+        alone = runtime.decode(twin, tokens[1])
+        tokens = [int(together[0].argmax()), int(alone.argmax())]
+        wide_token = int(together[1].argmax())
+        assert tokens[0] == tokens[1]
+    assert narrow.in_arena and narrow.k_rot[0].shape[1] > narrow.capacity
+    span = runtime._whole_buffer_mask(narrow, True)
+    assert span is not None and span.rows == narrow.k_rot[0].shape[1]
+    for _ in range(3):
+        got, want = runtime.decode(narrow, tokens[0]), runtime.decode(twin, tokens[1])
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=0.0)
+        tokens = [int(got.argmax()), int(want.argmax())]
+        assert tokens[0] == tokens[1]
