@@ -89,18 +89,22 @@ class KVCache:
         new_cap = max(capacity, 2 * self.capacity)
         shape = (self.num_kv_heads, new_cap, self.head_dim)
 
-        def grow(old: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        def grow(old: list[Tensor], dtype: torch.dtype, zero_tail: bool) -> list[Tensor]:
             out = []
             for layer in range(self.num_layers):
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
                 if old:
                     buf[:, : self.length] = old[layer][:, : self.length]
+                if zero_tail:
+                    buf[:, self.length :].zero_()
                 out.append(buf)
             return out
 
-        self.k_pre = grow(self.k_pre, self.kv_dtype)
-        self.k_rot = grow(self.k_rot, self.compute_dtype)
-        self.v = grow(self.v, self.compute_dtype)
+        # Rows past the length are finite (zeros, or rows written before a truncation): a decode step may
+        # attend over the whole buffer with those rows masked (0 x value must be 0, never NaN).
+        self.k_pre = grow(self.k_pre, self.kv_dtype, zero_tail=False)
+        self.k_rot = grow(self.k_rot, self.compute_dtype, zero_tail=True)
+        self.v = grow(self.v, self.compute_dtype, zero_tail=True)
         positions = torch.empty(new_cap, dtype=torch.long, device=self.device)
         positions[: self.length] = self.positions[: self.length]
         self.positions = positions

@@ -226,11 +226,12 @@ class SparseDecoder:
                     torch.arange(state["win_row"], cache.length),
                 ]
             )
-            visible = picked.positions != HIDDEN
+            used = region_rows.numel()  # the tier's rows past these are unused hot rows
+            visible = picked.positions[:used] != HIDDEN
             self.policy.observe(
                 self._view(cache, layer, q_rot),
                 selected,
-                picked.keys[:, visible].float(),
+                picked.keys[:, :used][:, visible].float(),
                 region_rows[visible],
             )
             record.select_s += time.perf_counter() - start

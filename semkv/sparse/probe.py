@@ -218,8 +218,9 @@ class ProbePolicy(SparsePolicy):
         exclusive, ``--e2e``, three runs): a step costs 0.87-1.05x dense's (selection 28-29% of it), since the keys
         are gathered, converted and scored one layer at a time in buffers kept across steps
         (``shortlist_block_mass``; the same tokens on all 78 cases); before, with a fresh float32 buffer
-        for every layer's keys each step, 0.78-0.83x (selection 38-46%). Not a default: it closes the
-        quality gap at dense's speed, not faster.
+        for every layer's keys each step, 0.78-0.83x (selection 38-46%). Since dense decode reads whole
+        contiguous cache buffers (1.36x faster at 8K), 0.82-0.94x. Not a default: it closes the quality
+        gap at about dense's speed, not faster.
     rescore_stride: rescore with every ``rescore_stride``-th layer of a group (its first, the one whose query
         is this step's, always): the exact scores read the shortlist's keys of those layers only. RULER
         at 8K (the same 78 cases, rescore 3): stride 2 -1.5 [-3.2, -0.1] and stride 4 -2.4 [-5.2, -0.4]

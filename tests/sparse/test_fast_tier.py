@@ -51,3 +51,22 @@ def test_visible_rows_follow_every_selection_change():
     hidden = (picked.positions == HIDDEN).tolist()
     assert picked.mask_known
     assert (picked.bias.isinf()[0].tolist() == hidden) if picked.bias is not None else not any(hidden)
+
+
+def test_view_is_the_whole_buffer_with_the_unused_hot_rows_hidden():
+    """The runtime's batched matmul copies a leading slice of a buffer first, so the view must be the
+    layer's whole contiguous buffer; the hot rows the sink and window do not use are hidden by the mask."""
+    cache = make_cache()
+    tier = FastTier(cache, BLOCK, slots=4, hot_rows=8)
+    tier.set_sink(cache, BLOCK)
+    tier.set_window(cache, cache.length - 2)  # sink 4 + window 2 of 8 hot rows: 2 unused
+    tier.ensure(0, [2, 5], cache)
+    picked = tier.view(0, cache)
+    assert picked.keys.is_contiguous() and picked.values.is_contiguous()
+    assert picked.keys.shape[1] == tier.slot_rows + tier.hot_rows == picked.positions.numel()
+    unused = slice(tier.slot_rows + 6, tier.slot_rows + 8)
+    assert (picked.positions[unused] == HIDDEN).all()
+    assert picked.bias is not None and picked.bias[0, unused].isinf().all()
+    seen = picked.positions[picked.bias[0] == 0]
+    expected = [*range(0, BLOCK), *range(2 * BLOCK, 3 * BLOCK), *range(5 * BLOCK, 6 * BLOCK)]
+    assert sorted(seen.tolist()) == [*expected, cache.length - 2, cache.length - 1]
