@@ -26,6 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def uses_gemm_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Attention on ``device`` in ``dtype`` runs as this module's matmul kernels (:func:`gemm_attention`,
+    :func:`decode_products`): CPU in bf16 / fp16. Elsewhere torch's scaled_dot_product_attention."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -47,7 +53,7 @@ def attention(
     plans: where :func:`gemm_attention` keeps its plans for reuse by the next layers of one forward.
     Returns [Tq, nh * d] in q's dtype. bf16 / fp16 on CPU go to :func:`gemm_attention`.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if uses_gemm_kernels(q.device, q.dtype):
         return gemm_attention(
             q, k, v, q_pos, k_pos, scaling, window, True if causal_prefix else ordered, plans
         )

@@ -25,7 +25,14 @@ from torch import Tensor
 
 from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
 from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
-from semkv.models.kernels import GemmPlans, attention, batched_decode_attention, decode_products, in_order
+from semkv.models.kernels import (
+    GemmPlans,
+    attention,
+    batched_decode_attention,
+    decode_products,
+    in_order,
+    uses_gemm_kernels,
+)
 from semkv.models.precision import cast_model
 
 
@@ -464,8 +471,7 @@ class Runtime:
         shared = self._shared_step(caches, slots, gatherers, ordered, kv_limit)
         members = set(shared.members.tolist()) if shared is not None else set()
         whole = [  # the arena's members attend together (or, on window layers, over their window)
-            None if i in members else self._whole_buffer_mask(cache, ordered[i])
-            for i, cache in enumerate(caches)
+            None if i in members else self._whole_buffers(cache, ordered[i]) for i, cache in enumerate(caches)
         ]
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
@@ -515,9 +521,9 @@ class Runtime:
             hidden = a.finish_layer(layer, hidden, out)
         return a.logits(hidden)
 
-    def _whole_buffer_mask(self, cache: KVCache, ordered: bool) -> WholeBuffers | None:
-        """The mask for this step's global layers to attend over the cache's whole buffers, or None (over
-        its valid rows).
+    def _whole_buffers(self, cache: KVCache, ordered: bool) -> WholeBuffers | None:
+        """How this step's global layers attend over the cache's whole buffers (their rows and mask), or
+        None (over its valid rows).
 
         torch's CPU batched matmul copies an operand that is a leading slice of a buffer ([kvh, length, d]
         of [kvh, rows, d]) before multiplying, and reads a whole contiguous buffer as it is (bf16,
@@ -526,9 +532,10 @@ class Runtime:
         row last) and the padding is at most a quarter of the rows, the whole buffer is read with the rows
         past the length masked (finite: :meth:`KVCache.reserve` zeroes them; an arena slot's are zeros or
         another sequence's rows). A buffer may have more rows than the cache's capacity (an arena slot)."""
-        fast = self.device.type == "cpu" and self.compute_dtype in (torch.bfloat16, torch.float16)
         rows = cache.k_rot[0].shape[1]
-        if not (fast and ordered and 4 * rows <= 5 * cache.length):
+        if not (
+            uses_gemm_kernels(self.device, self.compute_dtype) and ordered and 4 * rows <= 5 * cache.length
+        ):
             return None
         bias = None
         if rows > cache.length:
@@ -547,8 +554,12 @@ class Runtime:
         keys, values, key_pos = picked[0], picked[1], picked[2]
         scaling = self.adapter.scaling(layer)
         window = self.adapter.window(layer)
-        fast = q_rot.device.type == "cpu" and q_rot.dtype in (torch.bfloat16, torch.float16)
-        if fast and window is None and isinstance(picked, GatheredRows) and picked.mask_known:
+        if (
+            uses_gemm_kernels(q_rot.device, q_rot.dtype)
+            and window is None
+            and isinstance(picked, GatheredRows)
+            and picked.mask_known
+        ):
             return decode_products(q_rot * scaling, keys, values, picked.bias)
         return attention(q_rot, keys, values, q_pos, key_pos, scaling, window)
 
