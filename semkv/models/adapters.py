@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from semkv.models.linear import Projection
+
 
 def rotate_half(x: Tensor) -> Tensor:
     """The HF rotate-half convention shared by every supported family."""
@@ -72,21 +74,18 @@ def _bias(module: nn.Linear) -> Tensor | None:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights as the adapter runs them (matrices in the compute dtype).
+    """One decoder layer's weights as the adapter runs them (matrices in the compute dtype, each a
+    :class:`~semkv.models.linear.Projection`, packed once for oneDNN where that pays).
 
     qkv: [(nh + 2 kvh) d, H] the q, k, v projections stacked; o: [H, nh d];
-    gate_up: [2 I, H] the gate and up projections stacked; down: [H, I]; *_bias: or None.
+    gate_up: [2 I, H] the gate and up projections stacked; down: [H, I].
     norms: name -> (float32 weight of the RMSNorm as applied (Gemma's ``1 + w`` already added), eps).
     """
 
-    qkv: Tensor
-    qkv_bias: Tensor | None
-    o: Tensor
-    o_bias: Tensor | None
-    gate_up: Tensor
-    gate_up_bias: Tensor | None
-    down: Tensor
-    down_bias: Tensor | None
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
     norms: dict[str, tuple[Tensor, float]]
 
 
@@ -126,6 +125,7 @@ class LlamaFamilyAdapter:
         self.act = [block.mlp.act_fn for block in self.layers]
         self.final_norm = self._norm(self.decoder.norm)
         self._weights: list[LayerWeights] | None = None
+        self._head: Projection | None = None
 
     # -- structure -------------------------------------------------------------------------
     def _layer_window(self, layer: int) -> int | None:
@@ -165,14 +165,10 @@ class LlamaFamilyAdapter:
         qkv, qkv_bias = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up, gate_up_bias = _stack([mlp.gate_proj, mlp.up_proj])
         return LayerWeights(
-            qkv=qkv,
-            qkv_bias=qkv_bias,
-            o=attn.o_proj.weight.detach(),
-            o_bias=_bias(attn.o_proj),
-            gate_up=gate_up,
-            gate_up_bias=gate_up_bias,
-            down=mlp.down_proj.weight.detach(),
-            down_bias=_bias(mlp.down_proj),
+            qkv=Projection.make(qkv, qkv_bias),
+            o=Projection.make(attn.o_proj.weight, _bias(attn.o_proj)),
+            gate_up=Projection.make(gate_up, gate_up_bias),
+            down=Projection.make(mlp.down_proj.weight, _bias(mlp.down_proj)),
             norms=self._norm_weights(block),
         )
 
@@ -201,10 +197,10 @@ class LlamaFamilyAdapter:
                 block = self.layers[layer]
                 self._share(
                     [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj],
-                    w.qkv,
-                    w.qkv_bias,
+                    w.qkv.weight,
+                    w.qkv.bias,
                 )
-                self._share([block.mlp.gate_proj, block.mlp.up_proj], w.gate_up, w.gate_up_bias)
+                self._share([block.mlp.gate_proj, block.mlp.up_proj], w.gate_up.weight, w.gate_up.bias)
         return packed
 
     @staticmethod
@@ -228,24 +224,33 @@ class LlamaFamilyAdapter:
         dtype; q and k before RoPE."""
         w = self.weights[layer]
         x = rms_norm(hidden, *w.norms["input"]).to(self.dtype)
-        q, k, v = self._split_heads(F.linear(x, w.qkv, w.qkv_bias))
+        q, k, v = self._split_heads(w.qkv(x))
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def mlp(self, layer: int, x: Tensor) -> Tensor:
         """x [T, H] (normed, compute dtype) -> the MLP's output [T, H] (compute dtype)."""
         w = self.weights[layer]
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(self.act[layer](gate) * up, w.down, w.down_bias)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return w.down(self.act[layer](gate) * up)
 
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """hidden [T, H] (the layer's input, float32), attn_out [T, nh*d] -> the layer's output [T, H]
         (float32)."""
         w = self.weights[layer]
-        hidden = hidden + F.linear(attn_out, w.o, w.o_bias).float()
+        hidden = hidden + w.o(attn_out).float()
         x = rms_norm(hidden, *w.norms["post_attention"]).to(self.dtype)
         return hidden + self.mlp(layer, x).float()
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [T, H] (last layer output) -> logits [T, V] in float32."""
         x = rms_norm(hidden, *self.final_norm)
-        return self.hf_model.lm_head(x.to(self.dtype)).float()
+        return self.head(x.to(self.dtype)).float()
+
+    @property
+    def head(self) -> Projection:
+        """The lm_head [V, H] as a :class:`~semkv.models.linear.Projection` (made on first use; where it
+        is packed, a tied head's packed copy is separate from the embedding table it shares)."""
+        if self._head is None:
+            lm_head = self.hf_model.lm_head
+            self._head = Projection.make(lm_head.weight, _bias(lm_head))
+        return self._head

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from semkv.models.adapters import LlamaFamilyAdapter, rms_norm
@@ -113,7 +112,7 @@ class Gemma3Adapter(LlamaFamilyAdapter):
         """hidden [T, H] -> q [nh, T, d], k [kvh, T, d], v [kvh, T, d]; q, k after q/k norm, before RoPE."""
         w = self.weights[layer]
         x = rms_norm(hidden, *w.norms["input"]).to(self.dtype)
-        q, k, v = self._split_heads(F.linear(x, w.qkv, w.qkv_bias))
+        q, k, v = self._split_heads(w.qkv(x))
         q = rms_norm(q, *w.norms["q"]).to(self.dtype)
         k = rms_norm(k, *w.norms["k"]).to(self.dtype)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -121,7 +120,7 @@ class Gemma3Adapter(LlamaFamilyAdapter):
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """hidden [T, H] (the layer's input, float32), attn_out [T, nh*d] -> the layer's output [T, H]."""
         w = self.weights[layer]
-        hidden = hidden + rms_norm(F.linear(attn_out, w.o, w.o_bias), *w.norms["post_attention"])
+        hidden = hidden + rms_norm(w.o(attn_out), *w.norms["post_attention"])
         x = rms_norm(hidden, *w.norms["pre_feedforward"]).to(self.dtype)
         return hidden + rms_norm(self.mlp(layer, x), *w.norms["post_feedforward"])
 

@@ -75,7 +75,7 @@ def test_bf16_runtime_runs_a_private_copy(tokenizer):
     runtime.prefill(cache, list(range(5, 17)))
     assert cache.keys(0).dtype == torch.bfloat16 and cache.values(0).dtype == torch.bfloat16
     attn = copy.model.layers[0].self_attn
-    stacked = runtime.adapter.weights[0].qkv
+    stacked = runtime.adapter.weights[0].qkv.weight
     for module in (attn.q_proj, attn.k_proj, attn.v_proj):  # views of the stacked matrix, not copies
         assert module.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
     assert torch.equal(attn.k_proj.weight, before["model.layers.0.self_attn.k_proj.weight"].bfloat16())
