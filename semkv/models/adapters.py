@@ -44,15 +44,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
-def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor, scratch: Tensor) -> Tensor:
-    """:func:`apply_rope` in place: ``x`` [heads, T, d] becomes ``x * cos + rotate_half(x) * sin`` (the same
-    operations, so the same bits), with ``scratch`` (x's shape and dtype) for ``rotate_half(x) * sin``.
-    For callers rotating many rows per layer into buffers they reuse. Returns ``x``."""
+def apply_rope_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, scratch: Tensor) -> Tensor:
+    """``apply_rope(x.float(), cos, sin)`` written into ``out`` (float32, x's shape), with ``scratch`` (the same)
+    for ``rotate_half(x) * sin``; ``x`` [heads, T, d] in any float dtype (e.g. a KV-dtype view of a cache's
+    rows) is read as it is. The same bits as :func:`apply_rope`: each product converts ``x`` to float32
+    exactly first, and negating a product gives the product of the negation. For callers rotating many
+    rows per layer into buffers they reuse (one pass over ``x`` fewer than converting it first).
+    Returns ``out``."""
     half = x.shape[-1] // 2
-    torch.neg(x[..., half:], out=scratch[..., :half])
-    scratch[..., half:] = x[..., :half]
-    scratch.mul_(sin)
-    return x.mul_(cos).add_(scratch)
+    torch.mul(x, cos, out=out)
+    torch.mul(x[..., half:], sin[..., :half], out=scratch[..., :half])
+    scratch[..., :half].neg_()
+    torch.mul(x[..., :half], sin[..., half:], out=scratch[..., half:])
+    return out.add_(scratch)
 
 
 def _stack(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:

@@ -177,6 +177,12 @@ class KVCache:
         self.k_rot[layer][:, rows] = k_rot.to(self.compute_dtype)
         self.v[layer][:, rows] = cast(cast(v, self.kv_dtype), self.compute_dtype)
 
+    def row_buffers(self, layer: int, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """Views of ``rows`` of ``layer``: pre-RoPE keys (KV dtype), rotated keys and values (compute dtype),
+        each [kvh, n, d], for a loader that fills them in place with what :meth:`write` would write (values
+        rounded through the KV dtype, rotated keys rotated from the KV-dtype keys)."""
+        return self.k_pre[layer][:, rows], self.k_rot[layer][:, rows], self.v[layer][:, rows]
+
     def keys(self, layer: int) -> Tensor:
         """Rotated keys of valid rows [kvh, length, d]."""
         return self.k_rot[layer][:, : self.length]

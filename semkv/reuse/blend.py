@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from semkv.models.adapters import apply_rope_
+from semkv.models.adapters import apply_rope_into
 from semkv.models.cache import KVCache
 from semkv.models.runtime import RopeTables, Runtime, attention
 from semkv.prompt import PromptLayout, build_layout, tokenize_text
@@ -367,40 +367,34 @@ def _load_pieces(
     (entry, from, to) is rows [from, to) of a stored chunk's KV, or, without an entry, rows that hold no
     reused KV (zeros until the forward writes their fresh KV).
 
-    The reused keys are re-rotated as :meth:`Runtime.load_rows` does (rounded to the KV dtype, rotated
-    from there in float32 by :func:`~semkv.models.adapters.apply_rope_`, apply_rope in place, rounded to
-    the compute dtype), all rows of a layer at once with one rotary table and into buffers allocated once (fresh
-    multi-MB temporaries per layer and chunk cost more in page faults than the arithmetic): 4K tokens in
-    31 chunks (SmolLM2) load in ~15 ms instead of ~60 ms with one load per chunk.
+    The rows get what :meth:`Runtime.load_rows` writes (keys rounded to the KV dtype and rotated from
+    there in float32, rounded to the compute dtype; values rounded through the KV dtype), with one rotary
+    table for all rows of a layer: each piece is copied straight into the cache's rows
+    (:meth:`KVCache.row_buffers`), and the keys are rotated from there
+    (:func:`~semkv.models.adapters.apply_rope_into`) in float32 buffers allocated once (fresh multi-MB
+    temporaries per layer and chunk cost more in page faults than the arithmetic); the values pass through
+    one of them on their way to the compute dtype.
     """
     positions = torch.arange(first, first + len(token_ids), device=runtime.device)
     start = cache.append_rows(positions, token_ids)
     rows = slice(start, start + len(token_ids))
     shape = (cache.num_kv_heads, len(token_ids), cache.head_dim)
-    like = {"device": runtime.device}
-    k_pre, v = (
-        torch.empty(shape, dtype=runtime.kv_dtype, **like),
-        torch.empty(shape, dtype=runtime.kv_dtype, **like),
-    )
     k32, turned = (
-        torch.empty(shape, dtype=torch.float32, **like),
-        torch.empty(shape, dtype=torch.float32, **like),
+        torch.empty(shape, dtype=torch.float32, device=runtime.device),
+        torch.empty(shape, dtype=torch.float32, device=runtime.device),
     )
-    k_rot = torch.empty(shape, dtype=runtime.compute_dtype, **like)
-    blank = torch.zeros(cache.num_kv_heads, 0, cache.head_dim, dtype=runtime.kv_dtype, **like)
     tables = RopeTables(runtime.adapter, positions, torch.empty(0, device=runtime.device))
     for layer in range(runtime.num_layers):
-        ks, vs = [], []
+        k_pre, k_rot, v = cache.row_buffers(layer, rows)
+        at = 0
         for entry, lo, hi in pieces:
+            piece = slice(at, at + hi - lo)
+            at = piece.stop
             if entry is None:
-                ks.append(blank.new_zeros(cache.num_kv_heads, hi - lo, cache.head_dim))
-                vs.append(ks[-1])
+                k_pre[:, piece].zero_()
+                turned[:, piece].zero_()
             else:
-                ks.append(entry.k[layer, :, lo:hi].to(runtime.device, runtime.kv_dtype))
-                vs.append(entry.v[layer, :, lo:hi].to(runtime.device, runtime.kv_dtype))
-        torch.cat(ks, dim=1, out=k_pre)
-        torch.cat(vs, dim=1, out=v)
-        cos, sin = tables(layer)
-        k32.copy_(k_pre)
-        k_rot.copy_(apply_rope_(k32, cos, sin, turned))
-        cache.write(layer, rows, k_pre, k_rot, v)
+                k_pre[:, piece].copy_(entry.k[layer, :, lo:hi])
+                turned[:, piece].copy_(entry.v[layer, :, lo:hi].to(runtime.device, runtime.kv_dtype))
+        v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is ~5x slower on CPU (see cast)
+        k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))
