@@ -47,7 +47,7 @@ def run(engine) -> dict:
         }
     print(
         "  (attention is a small share of a decode step at 2K tokens, so the speed-up grows with the"
-        " context: measured at 8K, Key-Key decodes 32 tokens 1.1-1.2x faster than dense; on RULER at 4K"
+        " context: measured at 8K, Key-Key decodes 32 tokens 1.3-1.7x faster than dense; on RULER at 4K"
         " it scores 15.6 points below dense at 10% on 65 test cases (the probe policy 7.0 there, 6.2 on"
         " 130 cases); see `semkv bench sparse"
         " --suite ruler`.)"
