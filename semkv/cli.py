@@ -29,6 +29,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=list(COMPUTE_DTYPE_CHOICES),
         help="dtype of the model's matmuls and attention (auto: bfloat16 where the CPU has AVX512-BF16/AMX)",
     )
+    p.add_argument(
+        "--no-pack-weights",
+        action="store_true",
+        help="no oneDNN-packed copy of the weights (bf16 on CPU): half the weight memory, slower decode",
+    )
 
 
 def _engine(args: argparse.Namespace):

@@ -81,7 +81,9 @@ class Engine:
         compute_dtype = config.torch_compute_dtype
         # the runtime runs a private copy in the compute dtype if hf_model is in another one
         self.runtime = Runtime(
-            adapter_for(hf_model.config.model_type)(hf_model), config.torch_kv_dtype, compute_dtype
+            adapter_for(hf_model.config.model_type)(hf_model, pack_weights=config.pack_weights),
+            config.torch_kv_dtype,
+            compute_dtype,
         )
         self.adapter = self.runtime.adapter
         self.fingerprint = model_fingerprint(hf_model, tokenizer, config.torch_kv_dtype, compute_dtype)
@@ -114,6 +116,7 @@ class Engine:
         device: str = "cpu",
         compute_dtype: str = "auto",
         scheduler: SchedulerConfig | None = None,
+        pack_weights: bool = True,
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
         checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
@@ -128,6 +131,7 @@ class Engine:
             device=device,
             compute_dtype=compute_dtype,
             scheduler=scheduler or SchedulerConfig(),
+            pack_weights=pack_weights,
         )
         make_private_dir(config.home_path)
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
@@ -136,8 +140,8 @@ class Engine:
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> Engine:
         """An engine from the standard CLI flags (``--model --home --kv-dtype --block-size --threads``,
-        and ``--models-dir`` / ``--device`` / ``--compute-dtype`` where a command has them); ``overrides`` replace or add
-        keyword arguments."""
+        and ``--models-dir`` / ``--device`` / ``--compute-dtype`` / ``--no-pack-weights`` where a command has
+        them); ``overrides`` replace or add keyword arguments."""
         options: dict[str, Any] = {
             "home": args.home,
             "kv_dtype": args.kv_dtype,
@@ -146,6 +150,7 @@ class Engine:
             "models_dir": getattr(args, "models_dir", None),
             "device": getattr(args, "device", None) or "cpu",
             "compute_dtype": getattr(args, "compute_dtype", None) or "auto",
+            "pack_weights": not getattr(args, "no_pack_weights", False),
         }
         options.update(overrides)
         return cls.from_pretrained(args.model, **options)

@@ -107,12 +107,15 @@ class LlamaFamilyAdapter:
 
     model_types: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "mistral")
 
-    def __init__(self, hf_model: nn.Module, private: bool = False) -> None:
+    def __init__(self, hf_model: nn.Module, private: bool = False, pack_weights: bool = True) -> None:
         """private: ``hf_model`` belongs to this adapter alone (a runtime's cast copy), so its q/k/v and
         gate/up modules are re-pointed at views of the stacked matrices instead of keeping a second
-        copy. A caller's model is never changed (its stacked matrices are copies)."""
+        copy. A caller's model is never changed (its stacked matrices are copies).
+        pack_weights: let each :class:`~semkv.models.linear.Projection` keep a oneDNN-packed copy where that
+        runs (False: never; see :class:`~semkv.config.EngineConfig`)."""
         self.hf_model = hf_model
         self.private = private
+        self.pack_weights = pack_weights
         self.config = hf_model.config
         self.decoder = hf_model.model
         self.layers = self.decoder.layers
@@ -169,12 +172,15 @@ class LlamaFamilyAdapter:
         qkv, qkv_bias = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up, gate_up_bias = _stack([mlp.gate_proj, mlp.up_proj])
         return LayerWeights(
-            qkv=Projection.make(qkv, qkv_bias),
-            o=Projection.make(attn.o_proj.weight, _bias(attn.o_proj)),
-            gate_up=Projection.make(gate_up, gate_up_bias),
-            down=Projection.make(mlp.down_proj.weight, _bias(mlp.down_proj)),
+            qkv=self._projection(qkv, qkv_bias),
+            o=self._projection(attn.o_proj.weight, _bias(attn.o_proj)),
+            gate_up=self._projection(gate_up, gate_up_bias),
+            down=self._projection(mlp.down_proj.weight, _bias(mlp.down_proj)),
             norms=self._norm_weights(block),
         )
+
+    def _projection(self, weight: Tensor, bias: Tensor | None) -> Projection:
+        return Projection.make(weight, bias, prepack=None if self.pack_weights else False)
 
     def _norm_weights(self, block: nn.Module) -> dict[str, tuple[Tensor, float]]:
         """Each RMSNorm of ``block`` as (float32 weight as applied, eps)."""
@@ -256,5 +262,5 @@ class LlamaFamilyAdapter:
         is packed, a tied head's packed copy is separate from the embedding table it shares)."""
         if self._head is None:
             lm_head = self.hf_model.lm_head
-            self._head = Projection.make(lm_head.weight, _bias(lm_head))
+            self._head = self._projection(lm_head.weight, _bias(lm_head))
         return self._head

@@ -69,8 +69,8 @@ class Gemma3Adapter(LlamaFamilyAdapter):
 
     model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
 
-    def __init__(self, hf_model: nn.Module, private: bool = False) -> None:
-        super().__init__(hf_model, private)
+    def __init__(self, hf_model: nn.Module, private: bool = False, pack_weights: bool = True) -> None:
+        super().__init__(hf_model, private, pack_weights)
         cfg = self.config
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError(

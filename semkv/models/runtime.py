@@ -224,7 +224,9 @@ class Runtime:
         compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         if adapter.dtype != compute_dtype:
-            adapter = type(adapter)(cast_model(adapter.hf_model, compute_dtype), private=True)
+            adapter = type(adapter)(
+                cast_model(adapter.hf_model, compute_dtype), private=True, pack_weights=adapter.pack_weights
+            )
         self.adapter = adapter
         self.kv_dtype = kv_dtype
         self.compute_dtype = compute_dtype

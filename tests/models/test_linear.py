@@ -85,3 +85,26 @@ def test_a_bf16_adapter_packs_every_matrix_and_the_head(tokenizer):
     hidden = torch.randn(4, adapter.hidden_size)
     normed = F.rms_norm(hidden, (adapter.hidden_size,), *adapter.final_norm)
     assert torch.equal(adapter.logits(hidden), model.lm_head(normed.bfloat16()).float())
+
+
+@packs_bf16
+def test_pack_weights_false_keeps_plain_f_linear_through_the_runtimes_cast_copy(tokenizer):
+    """Injected: an fp32 model handed to a bf16 runtime with ``pack_weights=False`` (the runtime builds a
+    private cast copy and a new adapter). Must happen: no projection of the new adapter is packed."""
+    from semkv.models import Runtime, adapter_for
+
+    model = tiny_hf_model("llama", len(tokenizer))
+    runtime = Runtime(adapter_for("llama")(model, pack_weights=False), torch.float32, torch.bfloat16)
+    assert runtime.adapter.pack_weights is False
+    for w in runtime.adapter.weights:
+        assert all(p.packed is None for p in (w.qkv, w.o, w.gate_up, w.down))
+    assert runtime.adapter.head.packed is None
+    packed = Runtime(adapter_for("llama")(model), torch.float32, torch.bfloat16)
+    assert packed.adapter.weights[0].qkv.packed is not None
+
+
+def test_engine_config_rejects_a_non_bool_pack_weights(tmp_path):
+    from semkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match="pack_weights"):
+        EngineConfig(home=tmp_path, pack_weights="no")
