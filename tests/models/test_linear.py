@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from semkv.models import linear
+from semkv.config import EngineConfig
+from semkv.models import Runtime, adapter_for, linear
 from semkv.models.adapters import LlamaFamilyAdapter
 from semkv.models.linear import Projection, prepacks
 from tests.conftest import tiny_hf_model
@@ -91,8 +92,6 @@ def test_a_bf16_adapter_packs_every_matrix_and_the_head(tokenizer):
 def test_pack_weights_false_keeps_plain_f_linear_through_the_runtimes_cast_copy(tokenizer):
     """Injected: an fp32 model handed to a bf16 runtime with ``pack_weights=False`` (the runtime builds a
     private cast copy and a new adapter). Must happen: no projection of the new adapter is packed."""
-    from semkv.models import Runtime, adapter_for
-
     model = tiny_hf_model("llama", len(tokenizer))
     runtime = Runtime(adapter_for("llama")(model, pack_weights=False), torch.float32, torch.bfloat16)
     assert runtime.adapter.pack_weights is False
@@ -104,7 +103,5 @@ def test_pack_weights_false_keeps_plain_f_linear_through_the_runtimes_cast_copy(
 
 
 def test_engine_config_rejects_a_non_bool_pack_weights(tmp_path):
-    from semkv.config import EngineConfig
-
     with pytest.raises(ValueError, match="pack_weights"):
         EngineConfig(home=tmp_path, pack_weights="no")
