@@ -77,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policies",
         nargs="+",
         default=MAIN_POLICIES,
-        help="run labels: a policy, 'name:field=value,...' (its options), and '+dense0,1' to keep those "
-        "layers dense (no selection), e.g. probe+dense0,1; --speed-policies takes the same labels",
+        help="run labels: a policy, 'name:field=value,...' (its options), '+dense0,1' to keep those "
+        "layers dense (no selection), e.g. probe+dense0,1, and last '+every<k>' to choose blocks at most "
+        "every k steps (SparseConfig.reselect_every; default 4), e.g. keykey+every1; --speed-policies "
+        "takes the same labels",
     )
     p.add_argument(
         "--sweep-policies",
@@ -134,6 +136,7 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, float, dict[str, Any]]
 
 
 DENSE_SUFFIX = "+dense"
+EVERY_SUFFIX = "+every"
 # a comma that starts the next "field=" of a run label's options (not one inside a tuple)
 OPTION_SEPARATOR = re.compile(r",(?=\s*\w+\s*=)")
 
@@ -156,13 +159,32 @@ def split_dense_layers(label: str) -> tuple[str, tuple[int, ...]]:
     return policy, tuple(sorted(dense))
 
 
+def split_reselect_period(label: str) -> tuple[str, int | None]:
+    """A run label without its last "+every<k>" and that k (``SparseConfig.reselect_every``):
+    "keykey+every1" -> ("keykey", 1), "probe+dense0,1+every4" -> ("probe+dense0,1", 4); no suffix ->
+    (label, None): the default period."""
+    rest, found, period = label.rpartition(EVERY_SUFFIX)
+    if not found:
+        return label, None
+    try:
+        every = int(period)
+    except ValueError:
+        raise ValueError(
+            f"reselect_every of run label {label!r} must be an int after {EVERY_SUFFIX!r} (e.g. 'keykey+every2')"
+        ) from None
+    if every < 1:
+        raise ValueError(f"reselect_every of run label {label!r} must be >= 1, got {every}")
+    return rest, every
+
+
 def validate_labels(labels: list[str]) -> None:
     """Raise ValueError (naming the field) for a run label that ``make_decoder`` could not build, before
     any model is loaded."""
     for label in labels:
-        policy, dense = split_dense_layers(label)
+        policy, every = split_reselect_period(label)
+        policy, dense = split_dense_layers(policy)
         policy_from_label(policy, ABLATIONS.get(policy, {}))
-        SparseConfig(dense_layers=dense)
+        SparseConfig(dense_layers=dense, **({} if every is None else {"reselect_every": every}))
 
 
 def policy_from_label(label: str, options: dict[str, Any]) -> SparsePolicy:
@@ -185,10 +207,14 @@ def policy_from_label(label: str, options: dict[str, Any]) -> SparsePolicy:
 
 def make_decoder(engine, label: str, budget: float, options: dict[str, Any], **config: Any) -> SparseDecoder:
     """The engine's decoder (window layers on their window) for a run label of ``_configs``: a policy
-    label of ``policy_from_label``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1")."""
-    policy, dense = split_dense_layers(label)
+    label of ``policy_from_label``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1") and
+    then "+every<k>" (``reselect_every``, e.g. "keykey+every2")."""
+    policy, every = split_reselect_period(label)
+    policy, dense = split_dense_layers(policy)
     if dense:
         config = {**config, "dense_layers": dense}
+    if every is not None:
+        config = {**config, "reselect_every": every}
     return engine.sparse_decoder(policy_from_label(policy, options), budget, **config)
 
 

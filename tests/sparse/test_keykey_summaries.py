@@ -50,7 +50,7 @@ def test_cached_summaries_match_a_rebuild_every_step(tokenizer, center):
     runtime = Runtime(adapter_for("llama")(model), torch.float32)
     ids = torch.randint(0, len(tokenizer), (120,), generator=torch.Generator().manual_seed(7)).tolist()
     policy = CheckedKeyKey(center=center)
-    decoder = SparseDecoder(policy, SparseConfig(kv_budget=0.2, window_tokens=6), BLOCK)
+    decoder = SparseDecoder(policy, SparseConfig(kv_budget=0.2, window_tokens=6, reselect_every=1), BLOCK)
     cache = runtime.new_cache(len(ids) + 14)
     logits = runtime.prefill(cache, ids)
     for _ in range(12):

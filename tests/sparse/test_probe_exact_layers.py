@@ -30,7 +30,7 @@ from tests.conftest import tiny_hf_model
 BLOCK = 4
 LAYERS = 6
 STEPS = 8
-CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8)
+CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8, reselect_every=1)  # a choice every step
 EXACT = (2, 3)
 GROUPS = ((0, 1), (2,), (3,), (4, 5))
 
@@ -166,6 +166,8 @@ def test_exact_layer_beyond_the_model_is_refused(tokenizer):
     with capture_prefill_queries(cache) as queries:
         runtime.prefill(cache, list(range(5, 70)))
     policy = ProbePolicy(exact_layers=(1, 2))
-    decoder = SparseDecoder(policy, SparseConfig(kv_budget=0.2, window_tokens=6), 4, prefill=queries)
+    decoder = SparseDecoder(
+        policy, SparseConfig(kv_budget=0.2, window_tokens=6, reselect_every=1), 4, prefill=queries
+    )
     with pytest.raises(ValueError, match=r"exact_layers \[2\] are not layers of a 2-layer model"):
         runtime.decode(cache, 5, decoder)

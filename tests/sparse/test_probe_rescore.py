@@ -146,7 +146,7 @@ def test_rescore_keeps_the_block_with_one_aligned_key():
 
 # -- a decode on a tiny model ----------------------------------------------------------------------------
 STEPS = 8
-CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8)
+CONFIG = dict(kv_budget=0.1, sink_blocks=1, window_tokens=8, reselect_every=1)  # a choice every step
 RESCORE = 2.0
 
 
