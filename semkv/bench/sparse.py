@@ -177,14 +177,27 @@ def split_reselect_period(label: str) -> tuple[str, int | None]:
     return rest, every
 
 
+def split_config_suffixes(label: str) -> tuple[str, dict[str, Any]]:
+    """A run label's policy part and the :class:`SparseConfig` fields its suffixes set ("+dense<layers>",
+    then "+every<k>"): "probe+dense0,1+every2" -> ("probe", {"dense_layers": (0, 1), "reselect_every": 2});
+    a field without its suffix is left out (the config's default)."""
+    policy, every = split_reselect_period(label)
+    policy, dense = split_dense_layers(policy)
+    fields: dict[str, Any] = {}
+    if dense:
+        fields["dense_layers"] = dense
+    if every is not None:
+        fields["reselect_every"] = every
+    return policy, fields
+
+
 def validate_labels(labels: list[str]) -> None:
     """Raise ValueError (naming the field) for a run label that ``make_decoder`` could not build, before
     any model is loaded."""
     for label in labels:
-        policy, every = split_reselect_period(label)
-        policy, dense = split_dense_layers(policy)
+        policy, fields = split_config_suffixes(label)
         policy_from_label(policy, ABLATIONS.get(policy, {}))
-        SparseConfig(dense_layers=dense, **({} if every is None else {"reselect_every": every}))
+        SparseConfig(**fields)
 
 
 def policy_from_label(label: str, options: dict[str, Any]) -> SparsePolicy:
@@ -209,13 +222,8 @@ def make_decoder(engine, label: str, budget: float, options: dict[str, Any], **c
     """The engine's decoder (window layers on their window) for a run label of ``_configs``: a policy
     label of ``policy_from_label``, optionally followed by "+dense<layers>" (e.g. "probe+dense0,1") and
     then "+every<k>" (``reselect_every``, e.g. "keykey+every2")."""
-    policy, every = split_reselect_period(label)
-    policy, dense = split_dense_layers(policy)
-    if dense:
-        config = {**config, "dense_layers": dense}
-    if every is not None:
-        config = {**config, "reselect_every": every}
-    return engine.sparse_decoder(policy_from_label(policy, options), budget, **config)
+    policy, fields = split_config_suffixes(label)
+    return engine.sparse_decoder(policy_from_label(policy, options), budget, **{**config, **fields})
 
 
 def decode_run(engine, base, steps: int, decoder: SparseDecoder | None) -> tuple:
