@@ -397,6 +397,7 @@ class SparseDecoder:
             "sparse_policy": self.policy.name,
             "sparse_steps": len(recs),
             "kv_budget": self.config.kv_budget,
+            "sparse_reselect_every": self.config.reselect_every,
             "blocks_selected_per_step": sum(selected) / len(selected),
             "blocks_loaded_first_step": loaded[0],
             "blocks_loaded_per_step": sum(loaded[1:]) / max(1, len(loaded) - 1),
