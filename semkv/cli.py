@@ -69,6 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         sparse=None if args.sparse == "dense" else args.sparse,
         kv_budget=args.kv_budget,
+        sparse_reselect_every=args.sparse_reselect_every,
     )
     GenerateRequest(**options)  # bad input fails here, before the model loads
     engine = _engine(args)
@@ -134,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_budget,
         default=None,
         help="sparse decode budget: a fraction of the context (0, 1] or a token count (default: calibrated)",
+    )
+    p.add_argument(
+        "--sparse-reselect-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sparse decode: choose the attended blocks at most every K decode steps (1: every step; "
+        "default: the decoder's, 4)",
     )
     p.set_defaults(func=cmd_generate)
 

@@ -246,7 +246,10 @@ class Engine:
             start = time.perf_counter()
             plan, refusals = self.plan(request, layout)
             policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(layout))
-            sparse = self.sparse_decoder(policy, kv_budget)
+            period = request.sparse_reselect_every
+            sparse = self.sparse_decoder(
+                policy, kv_budget, **({} if period is None else {"reselect_every": period})
+            )
             return PrefillJob(
                 request=request,
                 options=self.defaults.reuse_options(request),

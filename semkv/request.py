@@ -62,6 +62,8 @@ class GenerateRequest:
     sparse: str | SparsePolicy | None = "auto"
     kv_budget: float | int | None = None  # sparse decode: a fraction of the context or a token count;
     # None = the model's calibrated budget for the policy (``semkv calibrate``), else 0.1
+    sparse_reselect_every: int | None = None  # sparse decode: choose blocks at most every k decode steps
+    # (1: every step, the seed's Key-Key; 2: the conservative setting); None = the decoder's default (4)
     repair_loops: bool = True
     tenant: str = ""
     cache_salt: str | None = None
@@ -97,6 +99,7 @@ class GenerateRequest:
         validate_sparse(
             None if isinstance(self.sparse, SparsePolicy) else self.sparse,
             DEFAULT_KV_BUDGET if self.kv_budget is None else self.kv_budget,
+            self.sparse_reselect_every,
         )
         _check_text("assistant_prefix", self.assistant_prefix)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):

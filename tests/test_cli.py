@@ -63,3 +63,15 @@ def test_generate_with_chunk_files(tmp_path, checkpoint, tokenizer, capsys):
     _, stats = generate(checkpoint, home, files[::-1], capsys)
     assert stats["path"] == "blend" and (stats["chunk_hits"], stats["chunk_misses"]) == (2, 0)
     assert stats["reused_tokens"] > 0
+
+
+def test_generate_sparse_reselection_period(tmp_path, checkpoint, capsys):
+    """``--sparse-reselect-every K`` reaches the request's decoder (its stats report K); K = 0 is refused
+    with a message naming the option, before the model loads."""
+    argv = ["generate", QUESTION, "--model", str(checkpoint), "--home", str(tmp_path / "home")]
+    argv += ["--block-size", "4", "--max-new-tokens", "6", "--sparse", "keykey", "--kv-budget", "0.1"]
+    code, _, err = run_cli([*argv, "--sparse-reselect-every", "2"], capsys)
+    assert code == 0, err
+    assert json.loads(err[err.index("{") :])["sparse_reselect_every"] == 2
+    code, _, err = run_cli([*argv, "--sparse-reselect-every", "0"], capsys)
+    assert code != 0 and "sparse_reselect_every" in err

@@ -44,6 +44,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
+def rope_sin_signed(sin: Tensor) -> Tensor:
+    """``sin`` [T, d] with its first half negated: the table :func:`apply_rope_rolled` takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_rolled(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """:func:`apply_rope` bit for bit in a third of its operator calls, for a decode step's few rows, where
+    each call costs more than its arithmetic: ``rotate_half(x) * sin`` is ``x.roll(d / 2) * sin_signed``
+    (:func:`rope_sin_signed`; negating a factor negates a product exactly), and the [T, d] tables
+    broadcast over the heads of ``x`` [heads, T, d] as they are."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
 def apply_rope_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, scratch: Tensor) -> Tensor:
     """``apply_rope(x.float(), cos, sin)`` written into ``out`` (float32, x's shape), with ``scratch`` (the same)
     for ``rotate_half(x) * sin``; ``x`` [heads, T, d] in any float dtype (e.g. a KV-dtype view of a cache's

@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from semkv.models.adapters import LlamaFamilyAdapter, apply_rope
+from semkv.models.adapters import LlamaFamilyAdapter, apply_rope, apply_rope_rolled, rope_sin_signed
 from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
 from semkv.models.kernels import (
     GemmPlans,
@@ -146,12 +146,21 @@ class RopeTables:
     def __init__(self, adapter: LlamaFamilyAdapter, positions: Tensor, like: Tensor) -> None:
         self.adapter, self.positions, self.like = adapter, positions, like
         self.tables: dict[str, tuple[Tensor, Tensor]] = {}
+        self.signed: dict[str, tuple[Tensor, Tensor]] = {}
 
     def __call__(self, layer: int) -> tuple[Tensor, Tensor]:
         group = self.adapter.rope_group(layer)
         if group not in self.tables:
             self.tables[group] = self.adapter.rotary(self.positions, layer, self.like)
         return self.tables[group]
+
+    def rolled(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(cos, sin with its first half negated) of ``layer``'s group, for :func:`apply_rope_rolled`."""
+        group = self.adapter.rope_group(layer)
+        if group not in self.signed:
+            cos, sin = self(layer)
+            self.signed[group] = (cos, rope_sin_signed(sin))
+        return self.signed[group]
 
 
 class WholeBuffers(NamedTuple):
@@ -477,11 +486,11 @@ class Runtime:
         ]
         for layer in range(a.num_layers):
             q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
-            cos, sin = tables(layer)
-            # RoPE is row-wise: rotate every row at once (keys rounded to the KV dtype first, as write_fresh does)
+            # RoPE is row-wise: rotate every row, queries and keys, at once (keys rounded to the KV dtype
+            # first, as write_fresh does); the same bits as rotating each (apply_rope_rolled)
             k_pre = cast(k, self.kv_dtype)
-            k_rot = apply_rope(k_pre.float(), cos, sin)
-            q_rot_all = self.rotated_queries(q, cos, sin)
+            turned = apply_rope_rolled(torch.cat((q.float(), k_pre.float())), *tables.rolled(layer))
+            q_rot_all, k_rot = turned[: q.shape[0]].to(self.compute_dtype), turned[q.shape[0] :]
             together = shared is not None and shared.covers(a.window(layer))
             got = None
             if shared is not None:

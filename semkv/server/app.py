@@ -77,6 +77,7 @@ PUBLIC_STATS = frozenset(
         "sparse_policy",
         "sparse_steps",
         "kv_budget",
+        "sparse_reselect_every",
     }
 )
 PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state

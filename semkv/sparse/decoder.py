@@ -66,10 +66,11 @@ class SparseConfig:
         scoring nor copying into the fast tier runs on them. 1: choose every step (the policies' own
         definition). TokenSelect's selection cache reuses a choice while consecutive queries are alike;
         this is a fixed-period form of it. 4 by default, chosen on RULER 8K dev (SmolLM2, 10% budget, 39
-        cases: keykey every 4th step +2.7 [-5.9, +11.3] points vs every step); on the test split -1.5
-        [-4.9, +1.9] (every 2nd step: +0.6 [-0.7, +1.9]). Keykey's selection ~3% -> <1% of a step and
-        32-token answers at 8K 1.28-1.30x -> 1.37-1.47x dense end to end in the same runs (README,
-        "Choosing every 4th step").
+        cases: keykey every 4th step +2.7 [-5.9, +11.3] points vs every step); on two test samples pooled
+        (78 cases) -1.8 [-4.9, +1.3] vs every step (every 2nd step: -0.7 [-3.4, +2.0]). Keykey's
+        selection ~3% -> <1% of a step and 32-token answers at 8K 1.28-1.30x -> 1.37-1.47x dense end to
+        end in the same runs (README, "Choosing every 4th step"). A request sets it with
+        ``GenerateRequest.sparse_reselect_every``.
     """
 
     kv_budget: float | int = 0.1
@@ -397,6 +398,7 @@ class SparseDecoder:
             "sparse_policy": self.policy.name,
             "sparse_steps": len(recs),
             "kv_budget": self.config.kv_budget,
+            "sparse_reselect_every": self.config.reselect_every,
             "blocks_selected_per_step": sum(selected) / len(selected),
             "blocks_loaded_first_step": loaded[0],
             "blocks_loaded_per_step": sum(loaded[1:]) / max(1, len(loaded) - 1),

@@ -14,6 +14,7 @@ from semkv.sparse.probe import ProbePolicy
 from semkv.sparse.quest import QuestPolicy
 from semkv.sparse.snapkv import SnapKVPolicy
 from semkv.sparse.streaming import StreamingPolicy
+from semkv.validation import check_int
 
 POLICIES: dict[str, type[SparsePolicy]] = {
     cls.name: cls
@@ -47,8 +48,17 @@ def make_policy(name: str, **options: Any) -> SparsePolicy:
 AUTO = "auto"  # the engine picks the policy (and budget) its calibrated profile measured best
 
 
-def validate_sparse(policy: str | None, kv_budget: float | int) -> None:
-    """Raise ValueError for an unknown policy name (``"auto"`` is valid) or a bad budget."""
+# the longest reselection period a request may ask for (a period past the answer's length chooses only
+# when the window or the budget changes, which any value above the longest answers already does)
+MAX_RESELECT_EVERY = 4096
+
+
+def validate_sparse(policy: str | None, kv_budget: float | int, reselect_every: int | None = None) -> None:
+    """Raise ValueError for an unknown policy name (``"auto"`` is valid), a bad budget, or a reselection
+    period (``SparseConfig.reselect_every``; None: the decoder's default) outside [1,
+    :data:`MAX_RESELECT_EVERY`]."""
+    if reselect_every is not None:
+        check_int("sparse_reselect_every", reselect_every, 1, MAX_RESELECT_EVERY)
     if policy is not None and policy != AUTO and policy not in POLICIES:
         raise ValueError(f"unknown sparse policy {policy!r}; choose {AUTO!r} or one of {', '.join(POLICIES)}")
     Budget(kv_budget)

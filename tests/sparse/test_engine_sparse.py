@@ -2,7 +2,9 @@
 
 Injected: sparse policies on a tiny engine (and one real SmolLM2 check). Must happen: a budget
 covering every block gives the dense tokens; a small budget reports the stats (blocks selected
-per step, resident KV bytes, bytes loaded, selection time and share) and attends to fewer blocks.
+per step, resident KV bytes, bytes loaded, selection time and share) and attends to fewer blocks;
+a request's ``sparse_reselect_every`` reaches its decoder (and its stats), a bad one is a ValueError
+naming the field before anything runs.
 """
 
 from __future__ import annotations
@@ -102,3 +104,40 @@ def test_smollm2_fast_tier_covering_every_block_matches_dense(smollm2):
     assert logits["hybrid"].argmax(-1).tolist() == logits["dense"].argmax(-1).tolist()
     # 30 layers of a different summation order (masked vs unmasked SDPA kernel): ~2e-4 on logits of ~20
     torch.testing.assert_close(logits["hybrid"], logits["dense"], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("period", [None, 1, 3])
+def test_request_reselection_period_reaches_the_decoder(make_tiny_engine, period):
+    """The request's period is the decoder's ``reselect_every`` (None: the decoder default, 4): its stats
+    say so, and the policy chose at most every ``period``-th step (once per step with 1: the seed's
+    per-step Key-Key)."""
+    engine = make_tiny_engine("llama", block_size=4)
+    request = GenerateRequest(
+        prompt=PROMPT,
+        max_new_tokens=13,
+        stop_at_eos=False,
+        reuse="none",
+        store_prompt=False,
+        sparse="keykey",
+        kv_budget=0.1,
+        sparse_reselect_every=period,
+    )
+    seq = engine.prefill(request)
+    assert seq.sparse is not None
+    expected = SparseConfig().reselect_every if period is None else period
+    assert seq.sparse.config.reselect_every == expected
+    engine.decode(seq)
+    stats = engine.finish(seq).stats
+    assert stats["sparse_reselect_every"] == expected
+    steps = stats["sparse_steps"]
+    chosen = sum(1 for record in seq.sparse.records if record.select_s > 0)
+    if period == 1:
+        assert chosen == steps == 12
+    else:  # reused on some steps; at least once per period
+        assert -(-steps // expected) <= chosen < steps
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "4", 10**6])
+def test_bad_reselection_period_is_refused(bad):
+    with pytest.raises(ValueError, match="sparse_reselect_every"):
+        GenerateRequest(prompt=PROMPT, sparse="keykey", sparse_reselect_every=bad)
