@@ -51,7 +51,7 @@ def rope_sin_signed(sin: Tensor) -> Tensor:
 
 
 def apply_rope_rolled(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """:func:`apply_rope` bit for bit in a third of its operator calls, for a decode step's few rows, where
+    """:func:`apply_rope` bit for bit in 4 operator calls instead of 9, for a decode step's few rows, where
     each call costs more than its arithmetic: ``rotate_half(x) * sin`` is ``x.roll(d / 2) * sin_signed``
     (:func:`rope_sin_signed`; negating a factor negates a product exactly), and the [T, d] tables
     broadcast over the heads of ``x`` [heads, T, d] as they are."""
