@@ -5,9 +5,9 @@ A prefill allocates and frees large temporaries on every layer (Gemma 3 270M at 
 gate/up product alone is 4,096 x 4,096 bf16, 32 MiB). glibc serves any block above its mmap threshold
 (128 KiB at start, raised as the process frees such blocks, at most 32 MiB) with a fresh ``mmap`` and
 unmaps it on free, so every such temporary is page-faulted in, page by page, on every use. On this
-project's 2-core machine the first ten 4K full prefills of a fresh Gemma 3 process took 4.6-6.0 s (six
-processes) and 3.76-3.84 s with mmap off (three), where a long-running process ends up by itself (its
-threshold raised); blend TTFT did not move. So a one-shot ``semkv generate`` and a server's first
+project's 2-core machine the first ten 4K full prefills of a fresh Gemma 3 process took 4.7-6.0 s (median
+per process, six processes) and 3.76-4.35 s with mmap off (four), about where a long-running process ends
+up by itself (its threshold raised); blend TTFT did not move. So a one-shot ``semkv generate`` and a server's first
 requests paid up to ~1.4x for it.
 
 :func:`keep_freed_memory` sets, for the whole process: no mmap for allocations (``M_MMAP_MAX = 0``: every
