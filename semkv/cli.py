@@ -34,6 +34,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no oneDNN-packed copy of the weights (bf16 on CPU): half the weight memory, slower decode",
     )
+    p.add_argument(
+        "--no-keep-freed-memory",
+        action="store_true",
+        help="leave glibc's malloc settings alone: freed big blocks go back to the OS (the first prefills of "
+        "a process up to ~1.4x slower, a smaller resident heap afterwards)",
+    )
 
 
 def _engine(args: argparse.Namespace):

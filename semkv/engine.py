@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from semkv.config import EngineConfig, SchedulerConfig, StoreConfig, make_private_dir
+from semkv.host_memory import keep_freed_memory
 from semkv.loop_repair import repair, wants_repair
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
@@ -78,6 +79,8 @@ class Engine:
         self.tokenizer = tokenizer
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        if config.keep_freed_memory and config.torch_device.type == "cpu":
+            keep_freed_memory()
         compute_dtype = config.torch_compute_dtype
         # the runtime runs a private copy in the compute dtype if hf_model is in another one
         self.runtime = Runtime(
@@ -117,6 +120,7 @@ class Engine:
         compute_dtype: str = "auto",
         scheduler: SchedulerConfig | None = None,
         pack_weights: bool = True,
+        keep_freed_memory: bool = True,
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
         checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
@@ -132,6 +136,7 @@ class Engine:
             compute_dtype=compute_dtype,
             scheduler=scheduler or SchedulerConfig(),
             pack_weights=pack_weights,
+            keep_freed_memory=keep_freed_memory,
         )
         make_private_dir(config.home_path)
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
@@ -140,8 +145,8 @@ class Engine:
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> Engine:
         """An engine from the standard CLI flags (``--model --home --kv-dtype --block-size --threads``,
-        and ``--models-dir`` / ``--device`` / ``--compute-dtype`` / ``--no-pack-weights`` where a command has
-        them); ``overrides`` replace or add keyword arguments."""
+        and ``--models-dir`` / ``--device`` / ``--compute-dtype`` / ``--no-pack-weights`` /
+        ``--no-keep-freed-memory`` where a command has them); ``overrides`` replace or add keyword arguments."""
         options: dict[str, Any] = {
             "home": args.home,
             "kv_dtype": args.kv_dtype,
@@ -151,6 +156,7 @@ class Engine:
             "device": getattr(args, "device", None) or "cpu",
             "compute_dtype": getattr(args, "compute_dtype", None) or "auto",
             "pack_weights": not getattr(args, "no_pack_weights", False),
+            "keep_freed_memory": not getattr(args, "no_keep_freed_memory", False),
         }
         options.update(overrides)
         return cls.from_pretrained(args.model, **options)

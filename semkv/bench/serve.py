@@ -121,13 +121,22 @@ def start_local_server(
     """``semkv serve`` with the bench's model flags and a fresh home (its own disk store, deleted by
     ``stop`` unless the server crashed)."""
     home = Path(tempfile.mkdtemp(prefix="semkv-bench-serve-"))
-    models_dir = args.models_dir or str(default_home() / "models")
-    extra = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype]
-    extra += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1), "--debug-stats"]
-    if args.redis:
-        extra += ["--redis", args.redis]
     port = args.port if port is None else port
-    return ServeProcess(args.model, home, *extra, *more, port=port, cpus=cpus, remove_home=True)
+    return ServeProcess(args.model, home, *serve_flags(args), *more, port=port, cpus=cpus, remove_home=True)
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """The ``semkv serve`` flags that carry the bench's engine flags (model folder, dtypes, block size,
+    threads, ``--no-pack-weights``, ``--no-keep-freed-memory``, Redis) to the server it starts."""
+    models_dir = args.models_dir or str(default_home() / "models")
+    flags = ["--models-dir", models_dir, "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype]
+    flags += ["--block-size", str(args.block_size), "--threads", str(args.threads or 1), "--debug-stats"]
+    for switch in ("no_pack_weights", "no_keep_freed_memory"):
+        if getattr(args, switch, False):
+            flags.append("--" + switch.replace("_", "-"))
+    if args.redis:
+        flags += ["--redis", args.redis]
+    return flags
 
 
 def load_tokenizer(args: argparse.Namespace):

@@ -1,0 +1,115 @@
+"""The C allocator keeps freed memory (``semkv.host_memory``, ``EngineConfig.keep_freed_memory``).
+
+Injected: a child process allocates, fills and frees a 64 MiB tensor, three rounds to warm up and three
+more counted: the minor page faults of the counted rounds (``getrusage``). With glibc's defaults each block
+is mapped fresh and faulted in page by page every round (64 MiB is above the largest mmap threshold glibc
+adapts to); once freed memory is kept, the counted rounds reuse the pages of the warm-up's blocks (glibc
+alternates between two free blocks of that size, so one warm-up round is not enough). Each child is its
+own process because the setting is process-wide and cannot be undone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from semkv.cli import build_parser
+from semkv.config import EngineConfig
+from semkv.host_memory import keep_freed_memory
+
+BLOCK_PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+
+CHILD = textwrap.dedent(
+    """
+    import gc, resource, sys, threading
+    import torch
+    setup = sys.argv[1]  # none | module | engine | engine-off, then engine's checkpoint and home
+    if setup == "module":
+        from semkv.host_memory import keep_freed_memory
+        assert keep_freed_memory()
+    elif setup in ("engine", "engine-off"):
+        from semkv.engine import Engine
+        Engine.from_pretrained(sys.argv[2], home=sys.argv[3], compute_dtype="float32",
+                               keep_freed_memory=setup == "engine")
+    def fill():
+        block = torch.empty(64 << 20, dtype=torch.uint8)
+        block.fill_(1)
+        return block
+    def rounds(counted):
+        for _ in range(3):
+            block = fill(); del block; gc.collect()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            block = fill(); del block; gc.collect()
+        counted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    counted = []
+    if sys.argv[-1] == "thread":  # as the server's engine thread allocates
+        torch.ones(512, 512) @ torch.ones(512, 512)  # torch's worker threads exist first
+        worker = threading.Thread(target=rounds, args=(counted,))
+        worker.start(); worker.join()
+    else:
+        rounds(counted)
+    print(counted[0])
+    """
+)
+
+glibc_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc only"
+)
+
+
+def faults_of_three_blocks(*args: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, check=True
+    )
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@glibc_only
+def test_a_freed_block_is_reused_without_page_faults():
+    """glibc's defaults fault every 64 MiB block in again (at least half its pages each round); with
+    :func:`keep_freed_memory` the three rounds take a few percent of one block's pages at most."""
+    default = faults_of_three_blocks("none")
+    kept = faults_of_three_blocks("module")
+    assert default >= 3 * BLOCK_PAGES // 2, default
+    assert kept <= BLOCK_PAGES // 20, (kept, default)
+
+
+@glibc_only
+def test_a_freed_block_is_reused_by_a_thread_other_than_the_main_one():
+    """Injected: the rounds run on a second thread, after torch's own threads exist (the server runs the
+    model on its engine thread). glibc gives such a thread its own arena, whose heaps are unmapped when
+    empty, so without one arena for every thread (``M_ARENA_MAX = 1``) its blocks are faulted in again."""
+    default = faults_of_three_blocks("none", "thread")
+    kept = faults_of_three_blocks("module", "thread")
+    assert default >= 3 * BLOCK_PAGES // 2, default
+    assert kept <= BLOCK_PAGES // 20, (kept, default)
+
+
+@glibc_only
+def test_an_engine_keeps_freed_memory_unless_told_not_to(tiny_checkpoint_shared, tmp_path):
+    """The engine sets it on CPU by default (``keep_freed_memory=True``); ``False`` leaves glibc alone."""
+    on = faults_of_three_blocks("engine", str(tiny_checkpoint_shared), str(tmp_path / "on"))
+    off = faults_of_three_blocks("engine-off", str(tiny_checkpoint_shared), str(tmp_path / "off"))
+    assert on <= BLOCK_PAGES // 20, (on, off)
+    assert off >= 3 * BLOCK_PAGES // 2, (on, off)
+
+
+@glibc_only
+def test_keep_freed_memory_reports_that_it_was_set():
+    assert keep_freed_memory() is True
+
+
+def test_engine_config_rejects_a_non_bool_keep_freed_memory(tmp_path):
+    with pytest.raises(ValueError, match="keep_freed_memory"):
+        EngineConfig(home=tmp_path, keep_freed_memory="no")
+
+
+def test_the_cli_flag_turns_it_off():
+    args = build_parser().parse_args(["generate", "--no-keep-freed-memory", "hello"])
+    assert args.no_keep_freed_memory is True
+    assert build_parser().parse_args(["generate", "hello"]).no_keep_freed_memory is False
