@@ -11,12 +11,14 @@ up by itself (its threshold raised); blend TTFT did not move. So a one-shot ``se
 requests paid up to ~1.4x for it.
 
 :func:`keep_freed_memory` sets, for the whole process: no mmap for allocations (``M_MMAP_MAX = 0``: every
-block comes from the heap), no trimming of the heap's top (``M_TRIM_THRESHOLD``), a 64 MiB pad when the
-heap grows (``M_TOP_PAD``), and one arena for every thread (``M_ARENA_MAX = 1``): a thread other than the
-main one (the server's engine thread) would otherwise allocate from its own arena, whose heaps glibc
-unmaps as soon as they are empty, so its big temporaries were faulted in again every time all the same. The cost: the process keeps its peak heap (what a prefill's temporaries once
-needed stays reserved for the next one, as GPU caching allocators do). Where the C library is not glibc
-it does nothing.
+block comes from the heap), no trimming of the heap's top (``M_TRIM_THRESHOLD``), and a 64 MiB pad when the
+heap grows (``M_TOP_PAD``). It works for the main thread's arena (a one-shot ``semkv generate``, the demo,
+the in-process benches). A thread with an arena of its own (glibc gives threads their own; the server's
+engine thread) gains nothing: glibc unmaps such an arena's heaps as soon as they are empty. ``M_ARENA_MAX``
+cannot fix that from here: glibc fixes its arena limit the first time a thread needs an arena, so it only
+works from the environment (``MALLOC_ARENA_MAX=1`` before the process starts; not measured). The cost: the
+process keeps its peak heap (what a prefill's temporaries once needed stays reserved for the next one, as
+GPU caching allocators do). Where the C library is not glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_MAX = -4
-M_ARENA_MAX = -8
 
 NEVER_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the largest trim threshold it accepts
 TOP_PAD_BYTES = 64 << 20
@@ -67,7 +68,6 @@ def keep_freed_memory() -> bool:
         "M_MMAP_MAX": (M_MMAP_MAX, 0),
         "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, NEVER_TRIM_BYTES),
         "M_TOP_PAD": (M_TOP_PAD, TOP_PAD_BYTES),
-        "M_ARENA_MAX": (M_ARENA_MAX, 1),
     }
     refused = [name for name, (param, value) in settings.items() if libc.mallopt(param, value) != 1]
     if refused:

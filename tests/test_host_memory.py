@@ -25,7 +25,7 @@ BLOCK_PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 CHILD = textwrap.dedent(
     """
-    import gc, resource, sys, threading
+    import gc, resource, sys
     import torch
     setup = sys.argv[1]  # none | module | engine | engine-off, then engine's checkpoint and home
     if setup == "module":
@@ -47,12 +47,7 @@ CHILD = textwrap.dedent(
             block = fill(); del block; gc.collect()
         counted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     counted = []
-    if sys.argv[-1] == "thread":  # as the server's engine thread allocates
-        torch.ones(512, 512) @ torch.ones(512, 512)  # torch's worker threads exist first
-        worker = threading.Thread(target=rounds, args=(counted,))
-        worker.start(); worker.join()
-    else:
-        rounds(counted)
+    rounds(counted)
     print(counted[0])
     """
 )
@@ -75,17 +70,6 @@ def test_a_freed_block_is_reused_without_page_faults():
     :func:`keep_freed_memory` the three rounds take a few percent of one block's pages at most."""
     default = faults_of_three_blocks("none")
     kept = faults_of_three_blocks("module")
-    assert default >= 3 * BLOCK_PAGES // 2, default
-    assert kept <= BLOCK_PAGES // 20, (kept, default)
-
-
-@glibc_only
-def test_a_freed_block_is_reused_by_a_thread_other_than_the_main_one():
-    """Injected: the rounds run on a second thread, after torch's own threads exist (the server runs the
-    model on its engine thread). glibc gives such a thread its own arena, whose heaps are unmapped when
-    empty, so without one arena for every thread (``M_ARENA_MAX = 1``) its blocks are faulted in again."""
-    default = faults_of_three_blocks("none", "thread")
-    kept = faults_of_three_blocks("module", "thread")
     assert default >= 3 * BLOCK_PAGES // 2, default
     assert kept <= BLOCK_PAGES // 20, (kept, default)
 
