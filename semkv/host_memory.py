@@ -7,8 +7,8 @@ gate/up product alone is 4,096 x 4,096 bf16, 32 MiB). glibc serves any block abo
 unmaps it on free, so every such temporary is page-faulted in, page by page, on every use. On this
 project's 2-core machine the first ten 4K full prefills of a fresh Gemma 3 process took 4.7-6.0 s (median
 per process, six processes) and 3.76-4.35 s with mmap off (four), about where a long-running process ends
-up by itself (its threshold raised); blend TTFT did not move. So a one-shot ``semkv generate`` and a server's first
-requests paid up to ~1.4x for it.
+up by itself (its threshold raised); blend TTFT did not move. So a one-shot ``semkv generate`` paid up to
+~1.4x for it on its first prefills.
 
 :func:`keep_freed_memory` sets, for the whole process: no mmap for allocations (``M_MMAP_MAX = 0``: every
 block comes from the heap), no trimming of the heap's top (``M_TRIM_THRESHOLD``), and a 64 MiB pad when the

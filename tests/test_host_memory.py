@@ -39,16 +39,12 @@ CHILD = textwrap.dedent(
         block = torch.empty(64 << 20, dtype=torch.uint8)
         block.fill_(1)
         return block
-    def rounds(counted):
-        for _ in range(3):
-            block = fill(); del block; gc.collect()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(3):
-            block = fill(); del block; gc.collect()
-        counted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    counted = []
-    rounds(counted)
-    print(counted[0])
+    for _ in range(3):
+        block = fill(); del block; gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        block = fill(); del block; gc.collect()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     """
 )
 
