@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # the process's own command line (a command may restart the process with it), or None when called
+    # with an argument list (in-process use: never restarted)
+    args.command_line = list(sys.argv[1:]) if argv is None else None
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

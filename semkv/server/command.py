@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from semkv.config import STORE_SECRET_ENV
+from semkv.host_memory import restart_with_one_arena
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,14 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
 
 
 def run(args: argparse.Namespace) -> int:
+    if (
+        getattr(args, "command_line", None) is not None
+        and not args.no_keep_freed_memory
+        and args.device == "cpu"
+    ):
+        # the engine thread's allocations go to the main arena, whose freed memory is kept: restart with
+        # MALLOC_ARENA_MAX=1 (no return where glibc would restart; see semkv.host_memory)
+        restart_with_one_arena(args.command_line)
     import uvicorn
 
     from semkv.config import SchedulerConfig, StoreConfig
