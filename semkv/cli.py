@@ -38,7 +38,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-keep-freed-memory",
         action="store_true",
         help="leave glibc's malloc settings alone: freed big blocks go back to the OS (the first prefills of "
-        "a process up to ~1.4x slower, a smaller resident heap afterwards)",
+        "a process up to ~1.4x slower, a smaller resident heap afterwards); serve: no restart with "
+        "MALLOC_ARENA_MAX=1",
     )
 
 
