@@ -38,7 +38,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-keep-freed-memory",
         action="store_true",
         help="leave glibc's malloc settings alone: freed big blocks go back to the OS (the first prefills of "
-        "a process up to ~1.4x slower, a smaller resident heap afterwards)",
+        "a process up to ~1.4x slower, a smaller resident heap afterwards); serve: no restart with "
+        "MALLOC_ARENA_MAX=1",
     )
 
 
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # the process's own command line (a command may restart the process with it), or None when called
+    # with an argument list (in-process use: never restarted)
+    args.command_line = list(sys.argv[1:]) if argv is None else None
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

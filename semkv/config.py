@@ -205,8 +205,9 @@ class EngineConfig:
         matrices' memory twice (+~270 MB SmolLM2, +~535 MB Gemma 3 270M). False: plain ``F.linear``.
     keep_freed_memory: on CPU, make the C allocator (glibc) keep the memory the process frees for its next
         allocations rather than unmapping big blocks and faulting them in again on every prefill
-        (:mod:`semkv.host_memory`; process-wide, like ``threads``; the main thread's arena): a fresh
-        process's first 4K prefills up to ~1.4x faster, at the price of the process keeping its peak heap.
+        (:mod:`semkv.host_memory`; process-wide, like ``threads``; the main thread's arena, which
+        ``semkv serve`` makes every thread's by restarting with ``MALLOC_ARENA_MAX=1``): a fresh process's
+        first 4K prefills up to ~1.4x faster, at the price of the process keeping its peak heap.
         False: glibc's defaults.
     """
 

@@ -16,9 +16,11 @@ heap grows (``M_TOP_PAD``). It works for the main thread's arena (a one-shot ``s
 the in-process benches). A thread with an arena of its own (glibc gives threads their own; the server's
 engine thread) gains nothing: glibc unmaps such an arena's heaps as soon as they are empty. ``M_ARENA_MAX``
 cannot fix that from here: glibc fixes its arena limit the first time a thread needs an arena, so it only
-works from the environment (``MALLOC_ARENA_MAX=1`` before the process starts; not measured). The cost: the
-process keeps its peak heap (what a prefill's temporaries once needed stays reserved for the next one, as
-GPU caching allocators do). Where the C library is not glibc it does nothing.
+works from the environment, before the process starts. :func:`restart_with_one_arena` does that for
+``semkv serve``: it replaces the process (same pid) by itself with ``MALLOC_ARENA_MAX=1``, so the engine
+thread allocates from the main arena, which keeps its memory. The cost: the process keeps its peak heap
+(what a prefill's temporaries once needed stays reserved for the next one, as GPU caching allocators do).
+Where the C library is not glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
+from collections.abc import Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ M_MMAP_MAX = -4
 
 NEVER_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the largest trim threshold it accepts
 TOP_PAD_BYTES = 64 << 20
+ARENA_ENV = "MALLOC_ARENA_MAX"  # glibc's environment variable for its arena limit, read at process start
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -75,3 +80,26 @@ def keep_freed_memory() -> bool:
         return False
     log.debug("glibc keeps freed memory for reuse (no mmap, no trim, 64 MiB top pad)")
     return True
+
+
+def one_arena_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """``environ`` with ``MALLOC_ARENA_MAX=1`` added, or None where a restart would change nothing: the C
+    library is not glibc, or the variable is set already (by the user, whose value is kept, or by an earlier
+    restart)."""
+    if ARENA_ENV in environ or _glibc() is None:
+        return None
+    return {**environ, ARENA_ENV: "1"}
+
+
+def restart_with_one_arena(command_line: Sequence[str]) -> None:
+    """Replace this process by ``python -m semkv *command_line`` with ``MALLOC_ARENA_MAX=1`` in its
+    environment (``os.execve``: the same pid, so a supervisor or a parent's handle keeps working), so that
+    every thread allocates from glibc's main arena and :func:`keep_freed_memory` covers them all. Returns
+    only where nothing is to be done (:func:`one_arena_environment`)."""
+    environment = one_arena_environment(os.environ)
+    if environment is None or not sys.executable:  # an embedded interpreter has no executable to restart
+        return
+    log.info("restarting with %s=1 so that every thread keeps the memory it frees", ARENA_ENV)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "semkv", *command_line], environment)

@@ -5,7 +5,9 @@ more counted: the minor page faults of the counted rounds (``getrusage``). With 
 is mapped fresh and faulted in page by page every round (64 MiB is above the largest mmap threshold glibc
 adapts to); once freed memory is kept, the counted rounds reuse the pages of the warm-up's blocks (glibc
 alternates between two free blocks of that size, so one warm-up round is not enough). Each child is its
-own process because the setting is process-wide and cannot be undone.
+own process because the setting is process-wide and cannot be undone. A second thread (the server's
+engine thread) allocates from an arena of its own, whose memory glibc gives back however it is set, unless
+the process started with ``MALLOC_ARENA_MAX=1`` (what ``semkv serve`` restarts itself with).
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ import pytest
 
 from semkv.cli import build_parser
 from semkv.config import EngineConfig
-from semkv.host_memory import keep_freed_memory
+from semkv.host_memory import ARENA_ENV, keep_freed_memory, one_arena_environment
 
 BLOCK_PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 CHILD = textwrap.dedent(
     """
-    import gc, resource, sys
+    import gc, resource, sys, threading
     import torch
-    setup = sys.argv[1]  # none | module | engine | engine-off, then engine's checkpoint and home
-    if setup == "module":
-        from semkv.host_memory import keep_freed_memory
+    setup = sys.argv[1]  # none | module | module-thread | engine | engine-off, then checkpoint and home
+    if setup in ("module", "module-thread"):
+        from semkv.host_memory import ARENA_ENV, keep_freed_memory, one_arena_environment
         assert keep_freed_memory()
     elif setup in ("engine", "engine-off"):
         from semkv.engine import Engine
@@ -39,12 +41,17 @@ CHILD = textwrap.dedent(
         block = torch.empty(64 << 20, dtype=torch.uint8)
         block.fill_(1)
         return block
-    for _ in range(3):
-        block = fill(); del block; gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        block = fill(); del block; gc.collect()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    def rounds():
+        for _ in range(3):
+            block = fill(); del block; gc.collect()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            block = fill(); del block; gc.collect()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    if setup == "module-thread":
+        worker = threading.Thread(target=rounds); worker.start(); worker.join()
+    else:
+        rounds()
     """
 )
 
@@ -53,9 +60,12 @@ glibc_only = pytest.mark.skipif(
 )
 
 
-def faults_of_three_blocks(*args: str) -> int:
+def faults_of_three_blocks(*args: str, one_arena: bool = False) -> int:
+    env = {k: v for k, v in os.environ.items() if k != ARENA_ENV}
+    if one_arena:
+        env[ARENA_ENV] = "1"
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300, check=True, env=env
     )
     return int(done.stdout.strip().splitlines()[-1])
 
@@ -77,6 +87,25 @@ def test_an_engine_keeps_freed_memory_unless_told_not_to(tiny_checkpoint_shared,
     off = faults_of_three_blocks("engine-off", str(tiny_checkpoint_shared), str(tmp_path / "off"))
     assert on <= BLOCK_PAGES // 20, (on, off)
     assert off >= 3 * BLOCK_PAGES // 2, (on, off)
+
+
+@glibc_only
+def test_a_second_thread_keeps_freed_memory_only_with_one_arena():
+    """On a thread other than the main one the setting alone changes nothing (its arena's memory goes back
+    to the OS); started with ``MALLOC_ARENA_MAX=1`` the thread allocates from the main arena and keeps it."""
+    own_arena = faults_of_three_blocks("module-thread")
+    one_arena = faults_of_three_blocks("module-thread", one_arena=True)
+    assert own_arena >= 3 * BLOCK_PAGES // 2, (own_arena, one_arena)
+    assert one_arena <= BLOCK_PAGES // 20, (own_arena, one_arena)
+
+
+@glibc_only
+def test_the_one_arena_environment_adds_the_variable_once_and_keeps_a_users_value():
+    """A restart adds ``MALLOC_ARENA_MAX=1``; where it is set (by the user, or by a restart before) there
+    is nothing to do, so a restarted process never restarts again."""
+    assert one_arena_environment({"PATH": "/bin"}) == {"PATH": "/bin", ARENA_ENV: "1"}
+    assert one_arena_environment({ARENA_ENV: "1"}) is None
+    assert one_arena_environment({ARENA_ENV: "4"}) is None
 
 
 @glibc_only

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from semkv.config import STORE_SECRET_ENV
+from semkv.host_memory import restart_with_one_arena
+from semkv.server.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+DEFAULT_WARMUP_TOKENS = 600  # more than one chunk of the default 512-token chunked prefill, and a remainder
 DEFAULT_DISK_MB = 10 * 1024  # serve's disk tier budget: ~46 KB per prompt token would fill a disk
 
 
@@ -74,6 +77,13 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
         help="engine option applied to every request unless it overrides it (repeatable), e.g. reuse=auto",
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429s")
+    p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=DEFAULT_WARMUP_TOKENS,
+        help="before taking traffic, run one request of about this many prompt tokens so the first user does "
+        "not pay the process's one-time costs (0: no warm-up)",
+    )
     p.add_argument(
         "--disk-mb",
         type=int,
@@ -144,6 +154,14 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
 
 
 def run(args: argparse.Namespace) -> int:
+    if (
+        getattr(args, "command_line", None) is not None
+        and not args.no_keep_freed_memory
+        and args.device == "cpu"
+    ):
+        # the engine thread's allocations go to the main arena, whose freed memory is kept: restart with
+        # MALLOC_ARENA_MAX=1 (no return where glibc would restart; see semkv.host_memory)
+        restart_with_one_arena(args.command_line)
     import uvicorn
 
     from semkv.config import SchedulerConfig, StoreConfig
@@ -155,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.disk_mb < 0:
         raise ValueError(f"--disk-mb must be >= 0 (0 = unbounded), got {args.disk_mb}")
+    if args.warmup_tokens < 0:
+        raise ValueError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     config = ServerConfig(
         model_name=args.served_model_name,
         defaults=dict(args.default),
@@ -186,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
         log.warning("API keys on: %d keys, tenants %s", len(config.api_keys), sorted(config.api_keys.tenants))
     engine = on_a_thread_of_its_own(lambda: Engine.from_args(args, store=store, scheduler=scheduler))
     app = create_app(engine, config)
+    if args.warmup_tokens:
+        try:
+            done = app.state.semkv.loop.run_job(lambda: warm_up(engine, args.warmup_tokens)).result()
+            log.info("warm-up request of %d prompt tokens: %.2f s", done.prompt_tokens, done.seconds)
+        except Exception as exc:  # serve anyway: the first request pays the start-up costs instead
+            log.warning("the warm-up request failed, serving without it: %s", exc)
     log.warning("semkv serving %s on http://%s:%d", app.state.semkv.model_name, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
