@@ -10,8 +10,9 @@ prompt, as a real request) before the server takes traffic. Its KV is stored und
 tokens of KV in the store (~11-14 MB for the embedded models), the same entries on every start. On a
 restart over the same disk tier the warm-up finds its prompt there (a prefix hit: it then warms the store's
 read path more than the model). A warm-up with nothing stored and full prefill only (``reuse="none"``,
-``store_prompt=False``) did not help: first requests 6.0-8.5 s after it. Not counted in ``/metrics`` (its
-steps run inside an engine-loop job, not the loop's own steps).
+``store_prompt=False``) did not help: first requests 6.0-8.5 s after it. Its writes reach every tier of the
+store, Redis included, and show in the store's counters in ``/metrics``; its request and steps do not (they
+run inside an engine-loop job, not the loop's own steps). ``--warmup-tokens 0`` turns it off.
 """
 
 from __future__ import annotations
