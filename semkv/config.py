@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from semkv.models.precision import COMPUTE_DTYPE_CHOICES, resolve_compute_dtype
+from semkv.validation import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -225,10 +226,8 @@ class EngineConfig:
     keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pack_weights, bool):
-            raise ValueError(f"pack_weights must be true or false, got {self.pack_weights!r}")
-        if not isinstance(self.keep_freed_memory, bool):
-            raise ValueError(f"keep_freed_memory must be true or false, got {self.keep_freed_memory!r}")
+        check_bool("pack_weights", self.pack_weights)
+        check_bool("keep_freed_memory", self.keep_freed_memory)
         if not isinstance(self.device, str):
             raise ValueError(f"device must be a str such as 'cpu' or 'cuda', got {self.device!r}")
         try:

@@ -154,13 +154,20 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.disk_mb < 0:
+        raise ValueError(f"--disk-mb must be >= 0 (0 = unbounded), got {args.disk_mb}")
+    if args.warmup_tokens < 0:
+        raise ValueError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     if (
         getattr(args, "command_line", None) is not None
         and not args.no_keep_freed_memory
         and args.device == "cpu"
     ):
         # the engine thread's allocations go to the main arena, whose freed memory is kept: restart with
-        # MALLOC_ARENA_MAX=1 (no return where glibc would restart; see semkv.host_memory)
+        # MALLOC_ARENA_MAX=1 (no return where glibc would restart; see semkv.host_memory), after the flag
+        # checks (a bad flag fails at once) and before the server's imports (not done twice)
         restart_with_one_arena(args.command_line)
     import uvicorn
 
@@ -169,12 +176,6 @@ def run(args: argparse.Namespace) -> int:
     from semkv.server.app import ServerConfig, create_app
     from semkv.server.auth import APIKeys
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.disk_mb < 0:
-        raise ValueError(f"--disk-mb must be >= 0 (0 = unbounded), got {args.disk_mb}")
-    if args.warmup_tokens < 0:
-        raise ValueError(f"--warmup-tokens must be >= 0 (0 = no warm-up), got {args.warmup_tokens}")
     config = ServerConfig(
         model_name=args.served_model_name,
         defaults=dict(args.default),

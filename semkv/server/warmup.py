@@ -17,20 +17,21 @@ run inside an engine-loop job, not the loop's own steps). ``--warmup-tokens 0`` 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from semkv.request import GenerateRequest
+from semkv.validation import check_int
 
 WARMUP_SENTENCE = "The ships were counted at the harbour before the storm came in from the west. "
 WARMUP_REQUEST_ID = "semkv-warmup"
 
 
 def check_warmup_tokens(tokens: object) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"warm-up tokens must be an integer >= 1, got {tokens!r}")
-    return tokens
+    """``tokens`` as an int >= 1 (no upper bound here: the warm-up is cut to the model's context)."""
+    return check_int("warm-up tokens", tokens, 1, sys.maxsize)
 
 
 def warmup_request(sentences: int) -> GenerateRequest:
