@@ -6,7 +6,8 @@ ones (Gemma 3 270M, 2 threads, twelve fresh servers): the one-time work of a pro
 pool, the store's and the reuse paths' first use). :func:`warm_up` runs one request of a synthetic prompt
 through the engine's scheduler (``add_request`` / ``step``: chunked prefill, decode, sampling, storing its
 prompt, as a real request) before the server takes traffic. Its KV is stored under its own cache salt
-(:data:`WARMUP_REQUEST_ID`), which no client's request shares, so nobody's lookups find it; it takes ~600
+(:data:`WARMUP_REQUEST_ID`, default tenant): a client's lookups find it only by sending that salt, and then
+find only the synthetic sentence (with API keys, no tenant's namespace is the default one); it takes ~600
 tokens of KV in the store (~11-14 MB for the embedded models), the same entries on every start. On a
 restart over the same disk tier the warm-up finds its prompt there (a prefix hit: it then warms the store's
 read path more than the model). A warm-up with nothing stored and full prefill only (``reuse="none"``,
