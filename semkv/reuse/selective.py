@@ -159,7 +159,8 @@ class QueryProbe:
     softmax are computed once per layer; at the last probe layer (after which only the last row goes
     on: the runtime needs one, its logits are not used) they are computed apart, before the narrowing.
     The forced rows' KV it writes is overwritten by the recompute that follows (forced rows are
-    recomputed at every layer).
+    recomputed at every layer), except the rows before the first chunk (:meth:`exact_rows`), whose KV it
+    computes exactly.
     """
 
     rows: RowInfo
@@ -242,6 +243,19 @@ class QueryProbe:
         settled = self.rows.forced & ~self.rows.query
         settled[-1:] = False
         return settled if self.last >= num_layers - 1 else torch.zeros_like(settled)
+
+    def exact_rows(self, num_layers: int) -> Tensor:
+        """[T] bool: the forced rows before the first reused row (the chat template's head before the first
+        chunk), other than the question and the last row, if this probe computed every one of
+        ``num_layers`` layers. They attend only to each other, so the KV the probe wrote for them is
+        final (what full prefill computes) and a recompute would compute it again; none otherwise."""
+        exact = torch.zeros_like(self.rows.forced)
+        reused = (~self.rows.forced).nonzero()
+        head = int(reused[0]) if reused.numel() else 0
+        if self.last >= num_layers - 1 and head:
+            exact[:head] = self.rows.forced[:head] & ~self.rows.query[:head]
+            exact[-1:] = False
+        return exact
 
     def _add(self, mass: Tensor, first_row: int) -> None:
         own = mass[first_row : first_row + self.scores.numel()]

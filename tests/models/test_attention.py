@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from semkv.models.kernels import (
+    GEMM_KEY_BUCKET,
     GEMM_QUERY_ROWS,
     SPLIT_QUERY_ROWS,
+    GemmPlan,
     GemmPlans,
     attention,
     gemm_attention,
@@ -184,3 +186,30 @@ def test_gemm_plans_carry_over_layers_of_one_forward():
         got.float(), reference(q.float(), k.float(), v.float(), shifted, k_pos, 0.25, 50), atol=3e-2, rtol=0
     )
     assert plans.plan(shifted, k_pos, 50, torch.bfloat16, None) is not first
+
+
+def test_window_key_ranges_come_in_buckets():
+    """On a window layer, scattered rows of many prompts (a blend's recompute: new positions every request)
+    read key ranges whose widths are multiples of GEMM_KEY_BUCKET (or every key), masked past the group's
+    last query and before its window, so the matmul shapes repeat across requests and oneDNN's kernel
+    cache serves them; the widened ranges still give the reference attention."""
+    window = 300
+    widths = set()
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        num_keys = 2000 + int(torch.randint(0, 200, (1,), generator=gen))
+        q, k, v, q_pos, k_pos = _case(seed, num_keys, 150)
+        plan = GemmPlan.make(q_pos, k_pos, window, torch.bfloat16, True)
+        for a, b, lo, hi, _ in plan.groups:
+            assert (hi - lo) % GEMM_KEY_BUCKET == 0 or hi - lo == num_keys, (lo, hi)
+            assert lo <= int(torch.searchsorted(k_pos, q_pos[a] - window + 1))
+            assert hi >= int(torch.searchsorted(k_pos, q_pos[b - 1], right=True))
+            widths.add(hi - lo)
+        if seed < 3:
+            torch.testing.assert_close(
+                gemm_attention(q, k, v, q_pos, k_pos, 0.25, window),
+                reference(q, k, v, q_pos, k_pos, 0.25, window),
+                atol=1e-5,
+                rtol=1e-4,
+            )
+    assert len(widths) <= 2200 // GEMM_KEY_BUCKET + 12  # without buckets: a new width for nearly every group

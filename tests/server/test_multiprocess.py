@@ -9,6 +9,7 @@ local tiers, reporting the outage in /health and /metrics.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 
@@ -22,6 +23,20 @@ DOCS = [
     "Marmalade was first sold in Dundee by a grocer whose ship had brought a cargo of bitter oranges. "
     "His wife boiled them with sugar, and the jars sold out in a single afternoon at the harbour market.",
 ]
+
+
+def wait_written_behind(client: httpx.Client, timeout_s: float = 30.0) -> None:
+    """Wait until the server's write-behind queue is empty (its KV has reached Redis): a response comes
+    back once the memory tier holds the KV, and the tiers below are written after it."""
+    deadline = time.monotonic() + timeout_s
+    gauge = "semkv_store_write_behind_pending_entries"
+    while True:
+        text = client.get("/metrics").text
+        assert gauge in text, "the server writes through, not behind"
+        if metric(text, gauge) == 0:
+            return
+        assert time.monotonic() < deadline, "write-behind queue not drained"
+        time.sleep(0.05)
 
 
 def test_two_servers_share_one_redis(redis_server, tiny_checkpoint, serve_process, tmp_path):
@@ -38,6 +53,7 @@ def test_two_servers_share_one_redis(redis_server, tiny_checkpoint, serve_proces
     # 1. A document uploaded to A is blended on B from the chunk KV A put in Redis.
     uploaded = ca.post("/v1/documents", json={"input": DOCS}).json()["data"]
     assert all(d["precomputed"] for d in uploaded)
+    wait_written_behind(ca)
     doc_ids = [d["id"] for d in uploaded]
     assert cb.get(f"/v1/documents/{doc_ids[0]}").json()["text"] == DOCS[0]  # registry shared via Redis
     question = {"model": TINY, "prompt": "Who sold the first marmalade?", "max_tokens": 3}
@@ -61,6 +77,7 @@ def test_two_servers_share_one_redis(redis_server, tiny_checkpoint, serve_proces
     # 2. A prompt prefilled on A: B reuses its prefix blocks through Redis.
     prompt = {"model": TINY, "prompt": " ".join(DOCS) + " Summarise.", "max_tokens": 2}
     on_a = ca.post("/v1/completions", json=prompt).json()["semkv"]  # may reuse the chat template's blocks
+    wait_written_behind(ca)
     hits_before = metric(cb.get("/metrics").text, "semkv_store_tier_hits_total", tier="redis")
     on_b = cb.post("/v1/completions", json=prompt).json()["semkv"]
     assert on_b["path"] == "prefix" and on_b["reused_tokens"] >= 0.8 * on_b["prompt_tokens"], on_b
