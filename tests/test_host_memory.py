@@ -31,7 +31,7 @@ CHILD = textwrap.dedent(
     import torch
     setup = sys.argv[1]  # none | module | module-thread | engine | engine-off, then checkpoint and home
     if setup in ("module", "module-thread"):
-        from semkv.host_memory import ARENA_ENV, keep_freed_memory, one_arena_environment
+        from semkv.host_memory import keep_freed_memory
         assert keep_freed_memory()
     elif setup in ("engine", "engine-off"):
         from semkv.engine import Engine

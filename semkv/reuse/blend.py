@@ -316,9 +316,8 @@ class BlendReuse:
             else:
                 runtime.forward_rows(cache, start, prober)
             probe = prober.scores
-            settled = prober.exact_rows(runtime.num_layers)
-            if selector.keeps_probe_rows:
-                settled |= prober.settled_rows(runtime.num_layers)
+            settled_rows = prober.settled_rows if selector.keeps_probe_rows else prober.exact_rows
+            settled = settled_rows(runtime.num_layers)
             if bool(settled.any()):
                 rows = RowInfo(rows.forced & ~settled, rows.query, rows.chunk_offset, settled)
         scaling = None

@@ -248,13 +248,11 @@ class QueryProbe:
         """[T] bool: the forced rows before the first reused row (the chat template's head before the first
         chunk), other than the question and the last row, if this probe computed every one of
         ``num_layers`` layers. They attend only to each other, so the KV the probe wrote for them is
-        final (what full prefill computes) and a recompute would compute it again; none otherwise."""
-        exact = torch.zeros_like(self.rows.forced)
+        final (what full prefill computes) and a recompute would compute it again; none otherwise.
+        A subset of :meth:`settled_rows`."""
+        exact = self.settled_rows(num_layers)
         reused = (~self.rows.forced).nonzero()
-        head = int(reused[0]) if reused.numel() else 0
-        if self.last >= num_layers - 1 and head:
-            exact[:head] = self.rows.forced[:head] & ~self.rows.query[:head]
-            exact[-1:] = False
+        exact[int(reused[0]) if reused.numel() else 0 :] = False
         return exact
 
     def _add(self, mass: Tensor, first_row: int) -> None:
