@@ -15,6 +15,7 @@ import torch
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation.metrics import logit_kl
+from semkv.prompt import separator_ids
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from semkv.store.keys import EntryKind, chunk_key
@@ -48,24 +49,28 @@ def _first_logits(engine: Engine, chunks, **options) -> torch.Tensor:
 
 
 def _naive_concatenation(engine: Engine, chunks) -> torch.Tensor:
-    """Reference for ratio 0, built independently: stored chunk KV loaded at its positions, every other
-    segment prefilled in order on top (attending to the loaded rows as they are)."""
+    """Reference for ratio 0, built independently: stored chunk KV (each chunk stored with the separator
+    after it, the default) loaded at its positions, every other segment prefilled in order on top
+    (attending to the loaded rows as they are)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=chunks))
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
+    separator = separator_ids(engine.tokenizer)
     logits = None
+    loaded_separator = False  # the separator after a chunk came with the chunk's entry
     for seg, start, end in layout.spans():
-        if not seg.token_ids:
+        if not seg.token_ids or (seg.kind == "separator" and loaded_separator):
+            loaded_separator = False
             continue
-        positions = torch.arange(start, end)
+        loaded_separator = False
         if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
+            ids = [*seg.token_ids, *separator]
+            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
             assert entry is not None
-            runtime.load_rows(cache, entry.k, entry.v, positions, seg.token_ids)
+            runtime.load_rows(cache, entry.k, entry.v, torch.arange(start, start + len(ids)), ids)
+            loaded_separator = True
         else:
-            logits = runtime.prefill(cache, seg.token_ids, positions=positions)
+            logits = runtime.prefill(cache, seg.token_ids, positions=torch.arange(start, end))
     return logits
 
 
@@ -232,11 +237,23 @@ def _full_seq(engine: Engine, chunks):
     )
 
 
+def _stored_spans(engine: Engine, layout, separators: bool = True) -> list[tuple[int, int, list[int]]]:
+    """(first row, end row, stored token ids) of every chunk of ``layout``, with the separator after it
+    (``separators``: chunks stored with their separator, the default)."""
+    separator = separator_ids(engine.tokenizer) if separators else []
+    return [
+        (start, end + len(separator), [*seg.token_ids, *separator])
+        for seg, start, end in layout.chunk_spans()
+        if seg.token_ids
+    ]
+
+
 def _chunk_rows(engine: Engine, layout) -> list[tuple[int, int, object]]:
-    """(row, row within its chunk, stored chunk entry) of every cached chunk row of ``layout``."""
+    """(row, row within its stored chunk, stored chunk entry) of every cached row of ``layout``: the chunks'
+    rows and their separators'."""
     rows = []
-    for seg, start, end in layout.chunk_spans():
-        entry = engine.store.get(chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK)
+    for start, end, ids in _stored_spans(engine, layout):
+        entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
         rows += [(start + i, i, entry) for i in range(end - start)]
     return rows
 
@@ -333,7 +350,7 @@ def test_sink_mode_decides_what_a_chunk_is_computed_after(make_tiny_engine, toke
     }[sink]
     assert sink == "none" or expected_sink
     (key,) = engine.add_chunks(DOCS[:1], BlendConfig(sink=sink))
-    ids = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]
+    ids = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"] + separator_ids(tokenizer)
     entry = engine.store.get(key, ids, EntryKind.CHUNK)
     assert entry.meta["sink_tokens"] == len(expected_sink)
     cache = engine.runtime.new_cache(len(expected_sink) + len(ids))

@@ -22,7 +22,14 @@ from semkv.reuse.selection.registry import SELECTORS, make_selector
 from semkv.reuse.selective import QueryProbe, query_attention, question_attention
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES
-from tests.reuse.test_blend import DOCS, QUESTION, _engine, _first_logits, _naive_concatenation
+from tests.reuse.test_blend import (
+    DOCS,
+    QUESTION,
+    _engine,
+    _first_logits,
+    _naive_concatenation,
+    _stored_spans,
+)
 
 # every registered selector, with a setting that differs from its default where it has one
 SELECTOR_SPECS = [
@@ -50,9 +57,10 @@ def test_every_registered_selector_is_in_the_matrix():
 
 
 def _layout_rows(engine: Engine, chunks: list[str]) -> tuple[set[int], set[int], list[tuple[int, int]]]:
-    """(chunk rows, other rows, chunk spans) of the request's layout."""
+    """(chunk rows, other rows, chunk spans) of the request's layout; a chunk's rows and span include the
+    separator stored with it."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=chunks))
-    spans = [(s, e) for _, s, e in layout.chunk_spans()]
+    spans = [(s, e) for s, e, _ in _stored_spans(engine, layout)]
     chunk_rows = {r for s, e in spans for r in range(s, e)}
     return chunk_rows, set(range(len(layout))) - chunk_rows, spans
 
@@ -117,14 +125,14 @@ def test_deviation_keeps_the_most_deviating_rows(make_tiny_engine, tokenizer):
 
 
 def _reference_deviation(engine: Engine, layout) -> dict[int, float]:
-    """K deviation at layer 1 of every chunk row, from a full prefill (layer 1's fresh keys) against
+    """K deviation at layer 1 of every stored row (chunks and their separators), from a full prefill (layer 1's fresh keys) against
     the stored chunk keys: the check layer sees exactly these (layers 0 and 1 run every row)."""
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     runtime.prefill(cache, layout.token_ids)
     out = {}
-    for seg, start, end in layout.chunk_spans():
-        entry = engine.store.get(chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK)
+    for start, end, ids in _stored_spans(engine, layout):
+        entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
         fresh = cache.k_pre[1][:, start:end].float()
         stored = entry.k[1].float()
         for i, dev in enumerate((fresh - stored).pow(2).sum(dim=(0, 2)).sqrt().tolist()):
@@ -132,27 +140,30 @@ def _reference_deviation(engine: Engine, layout) -> dict[int, float]:
     return out
 
 
-def _manual_probe(engine: Engine, layers: tuple[int, ...]):
-    """The blend's rows laid out by hand (chunk KV loaded, the rest blank) and a QueryProbe run over them,
+def _manual_probe(engine: Engine, layers: tuple[int, ...], separators: bool = True):
+    """The blend's rows laid out by hand (chunk KV with its separator's loaded, the rest blank) and a QueryProbe run over them,
     capturing every layer's queries. Returns (probe, captured queries, cache, forced, query)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     forced, query = [], []
+    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout, separators)}
+    row = 0
     for seg, start, end in layout.spans():
-        positions = torch.arange(start, end)
-        if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
-            runtime.load_rows(cache, entry.k, entry.v, positions, seg.token_ids)
+        if start < row or start == end:
+            continue  # a separator loaded with its chunk
+        if start in stored:
+            end, ids = stored[start]
+            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
+            runtime.load_rows(cache, entry.k, entry.v, torch.arange(start, end), ids)
         else:
-            cache.append_rows(positions, seg.token_ids)
+            cache.append_rows(torch.arange(start, end), seg.token_ids)
             for layer in range(runtime.num_layers):
                 zeros = torch.zeros(cache.num_kv_heads, end - start, cache.head_dim)
                 cache.write(layer, slice(start, end), zeros, zeros, zeros)
-        forced += [seg.kind != "chunk"] * (end - start)
+        forced += [start not in stored] * (end - start)
         query += [seg.kind in ("body", "suffix")] * (end - start)
+        row = end
     forced, query = torch.tensor(forced), torch.tensor(query)
     rows = RowInfo(forced, query, torch.full((len(forced),), -1))
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -230,10 +241,9 @@ def test_question_attention_is_the_layer_attention(dtype, tol):
     torch.testing.assert_close(mass.sum(), torch.tensor(6.0 * 5))
 
 
-def _blend_cache(engine: Engine, selector: dict):
-    request = GenerateRequest(
-        prompt=QUESTION, chunks=DOCS, reuse="blend", blend=BlendConfig(0.2, selector), store_prompt=False
-    )
+def _blend_cache(engine: Engine, selector: dict, separators: bool = True):
+    blend = BlendConfig(0.2, selector, separator_in_chunk=separators)
+    request = GenerateRequest(prompt=QUESTION, chunks=DOCS, reuse="blend", blend=blend, store_prompt=False)
     seq = engine.prefill(request)
     assert seq.stats()["prefix_tokens"] == 0  # the blend's rows are the manual probe's
     return seq.cache, seq.stats()
@@ -247,14 +257,15 @@ def _rows(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_probe_rows_keep_the_probe_kv(make_tiny_engine, tokenizer):
     """keep_probe_rows: the forced rows other than the question keep the KV the probe wrote at every layer;
     without it (the default) they are recomputed over the refreshed chunk rows (other KV), and so is the
-    question either way. The rows counted as recomputed are the same either way."""
+    question either way. The rows counted as recomputed are the same either way. Chunks stored without
+    their separators, so the separators are forced rows besides the template's."""
     engine = _engine(make_tiny_engine, tokenizer, "qwen2")
-    engine.add_chunks(DOCS)
+    engine.add_chunks(DOCS, BlendConfig(separator_in_chunk=False))
     windows = [engine.adapter.window(layer) for layer in range(engine.num_layers)]
     layers = make_selector("query").probe_layers(windows)
-    probe, _, probe_cache, forced, query = _manual_probe(engine, layers)
-    kept, kept_stats = _blend_cache(engine, {"name": "query", "keep_probe_rows": True})
-    redone, redone_stats = _blend_cache(engine, "query")
+    probe, _, probe_cache, forced, query = _manual_probe(engine, layers, separators=False)
+    kept, kept_stats = _blend_cache(engine, {"name": "query", "keep_probe_rows": True}, separators=False)
+    redone, redone_stats = _blend_cache(engine, "query", separators=False)
     settled = forced & ~query
     settled[-1] = False
     assert int(settled.sum()) > 3
