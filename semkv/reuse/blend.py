@@ -26,8 +26,11 @@ Prefill (the blend)
        never blended (it usually covers the template, sometimes the first chunk(s));
     2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_rows`
        re-applies RoPE to the stored pre-RoPE keys: exact);
-    3. the uncached rows (template rest, separators, body, suffix, chunks not stored) are
-       appended and always recomputed (``forced``);
+    3. the uncached rows (template rest, body, suffix, chunks not stored) are appended and always
+       recomputed (``forced``). A chunk is stored with the separator that follows it in every prompt
+       (``BlendConfig.separator_in_chunk``, the default), so the separators are reused rows like the
+       chunk's own (the selectors that rank by KV deviation still recompute them); without it they are
+       uncached rows too;
     4. :meth:`Runtime.forward_rows` with a :class:`~semkv.reuse.selective.SelectiveRecompute`: layers
        before the check layer recompute every row; at the check layer the best ``recompute_ratio`` of
        the cached rows by the config's row selector (:mod:`semkv.reuse.selection`) go on with the
@@ -262,7 +265,8 @@ class BlendReuse:
                     continue
                 first = max(s, plan.prefix_tokens)
                 pieces.append((entry, at + first - s, at + e - s))
-                forced.extend([entry is None] * (e - first))
+                recompute = seg.kind == "separator" and config.selector.recomputes_separators
+                forced.extend([entry is None or recompute] * (e - first))
                 query.extend([seg.kind in ("body", "suffix")] * (e - first))
                 reused = seg.kind == "chunk" or entry is not None
                 offsets.extend(range(at + first - s, at + e - s) if reused else [-1] * (e - first))

@@ -28,6 +28,7 @@ from tests.reuse.test_blend import (
     _engine,
     _first_logits,
     _naive_concatenation,
+    _reused_spans,
     _stored_spans,
 )
 
@@ -56,11 +57,13 @@ def test_every_registered_selector_is_in_the_matrix():
     assert {make_selector(s).name for s in SELECTOR_SPECS} == set(SELECTORS)
 
 
-def _layout_rows(engine: Engine, chunks: list[str]) -> tuple[set[int], set[int], list[tuple[int, int]]]:
-    """(chunk rows, other rows, chunk spans) of the request's layout; a chunk's rows and span include the
-    separator stored with it."""
+def _layout_rows(
+    engine: Engine, chunks: list[str], selector: object = "query"
+) -> tuple[set[int], set[int], list[tuple[int, int]]]:
+    """(chunk rows, other rows, chunk spans) of the request's layout as a blend ranked by ``selector`` sees
+    them; a chunk's rows and span include the separator stored with it unless the selector recomputes it."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=chunks))
-    spans = [(s, e) for s, e, _ in _stored_spans(engine, layout)]
+    spans = [(s, e) for s, e, _ in _reused_spans(engine, layout, selector)]
     chunk_rows = {r for s, e in spans for r in range(s, e)}
     return chunk_rows, set(range(len(layout))) - chunk_rows, spans
 
@@ -79,9 +82,10 @@ def test_selector_matrix(spec, family, make_tiny_engine, tokenizer):
     torch.testing.assert_close(one, full, atol=1e-4, rtol=0)
     zero, stats = _first_logits(engine, DOCS, reuse="blend", blend=BlendConfig(0.0, spec))
     assert stats["blend_selected_tokens"] == 0
-    torch.testing.assert_close(zero, _naive_concatenation(engine, DOCS), atol=1e-4, rtol=0)
+    naive = _naive_concatenation(engine, DOCS, not make_selector(spec).recomputes_separators)
+    torch.testing.assert_close(zero, naive, atol=1e-4, rtol=0)
 
-    chunk_rows, other_rows, _ = _layout_rows(engine, DOCS)
+    chunk_rows, other_rows, _ = _layout_rows(engine, DOCS, spec)
     for ratio in (0.1, 0.3):
         config = BlendConfig(ratio, spec)
         logits, stats = _first_logits(engine, DOCS, reuse="blend", blend=config)
@@ -117,7 +121,7 @@ def test_deviation_keeps_the_most_deviating_rows(make_tiny_engine, tokenizer):
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     deviations = _reference_deviation(engine, layout)
     _, stats = _first_logits(engine, DOCS, reuse="blend", blend=BlendConfig(0.3, "deviation"))
-    chunk_rows, _, _ = _layout_rows(engine, DOCS)
+    chunk_rows, _, _ = _layout_rows(engine, DOCS, "deviation")
     selected = sorted(set(stats["recomputed_rows"]) & chunk_rows)
     budget = len(selected)
     expected = sorted(sorted(deviations, key=deviations.get, reverse=True)[:budget])
@@ -125,16 +129,17 @@ def test_deviation_keeps_the_most_deviating_rows(make_tiny_engine, tokenizer):
 
 
 def _reference_deviation(engine: Engine, layout) -> dict[int, float]:
-    """K deviation at layer 1 of every stored row (chunks and their separators), from a full prefill (layer 1's fresh keys) against
-    the stored chunk keys: the check layer sees exactly these (layers 0 and 1 run every row)."""
+    """K deviation at layer 1 of every chunk row (deviation recomputes the separators), from a full prefill
+    (layer 1's fresh keys) against the stored chunk keys: the check layer sees exactly these (layers 0 and
+    1 run every row)."""
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     runtime.prefill(cache, layout.token_ids)
     out = {}
-    for start, end, ids in _stored_spans(engine, layout):
+    for start, end, ids in _reused_spans(engine, layout, "deviation"):
         entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
         fresh = cache.k_pre[1][:, start:end].float()
-        stored = entry.k[1].float()
+        stored = entry.k[1, :, : end - start].float()
         for i, dev in enumerate((fresh - stored).pow(2).sum(dim=(0, 2)).sqrt().tolist()):
             out[start + i] = dev
     return out

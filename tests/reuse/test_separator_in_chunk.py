@@ -3,8 +3,8 @@
 Injected: chunks added with the option on (and off), then blends over them. Must hold: the stored entry is
 the chunk's tokens then the separator's, holding the KV of one prefill of both after the sink; in a blend the
 separator rows get that entry's rows after the chunk's (ratio 0: loaded as they are), are reused rows, not
-forced ones (the query probe does not compute them; they count as cached), and ratio 1 is still full
-prefill; with the option off the separators stay forced; an entry stored one way is a miss for a request
+forced ones (the query probe does not compute them; they count as cached), except for the selectors
+that rank by KV deviation, which recompute them as before; ratio 1 is still full prefill; with the option off the separators stay forced; an entry stored one way is a miss for a request
 asking the other way.
 """
 
@@ -15,10 +15,11 @@ import torch
 
 import semkv.reuse.blend as blend_module
 from semkv.prompt import separator_ids
+from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from semkv.store.keys import EntryKind
 from tests.conftest import TINY_FAMILIES
-from tests.reuse.test_blend import DOCS, _blend_seq, _engine, _first_logits
+from tests.reuse.test_blend import DOCS, QUESTION, _blend_seq, _engine, _first_logits
 
 ON = BlendConfig(separator_in_chunk=True)
 
@@ -94,6 +95,30 @@ def test_probe_computes_separators_only_when_they_are_not_stored(
         assert not separators & set(probed[0])
     else:
         assert separators <= set(probed[0])
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("selector", ["deviation", "query+deviation"])
+def test_deviation_selectors_recompute_the_separators_either_way(
+    family, selector, make_tiny_engine, tokenizer
+):
+    """Selectors that rank by KV deviation keep the separators forced when they are stored with the chunk:
+    the same recomputed rows (the separators among them) and logits as with the separators not stored."""
+    engine = _engine(make_tiny_engine, tokenizer, family)
+    engine.add_chunks(DOCS, ON)
+    engine.add_chunks(DOCS, BlendConfig(separator_in_chunk=False))
+    stored, stored_stats = _first_logits(
+        engine, DOCS, reuse="blend", blend=BlendConfig(0.3, selector, separator_in_chunk=True)
+    )
+    apart, apart_stats = _first_logits(
+        engine, DOCS, reuse="blend", blend=BlendConfig(0.3, selector, separator_in_chunk=False)
+    )
+    assert stored_stats["chunk_hits"] == apart_stats["chunk_hits"] == len(DOCS)
+    assert stored_stats["recomputed_rows"] == apart_stats["recomputed_rows"]
+    layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
+    separators = {row for start, end, _ in _separator_spans(layout) for row in range(start, end)}
+    assert separators <= set(stored_stats["recomputed_rows"])
+    torch.testing.assert_close(stored, apart, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
