@@ -68,6 +68,11 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     )
 
 
+def separator_ids(tokenizer) -> list[int]:
+    """The tokens of :data:`CHUNK_SEPARATOR`, which :func:`build_layout` puts after every chunk."""
+    return _tokenize(tokenizer, CHUNK_SEPARATOR)
+
+
 def tokenize_text(tokenizer, text: str) -> list[int]:
     """User text (a prompt, a chunk, a message): special-token strings in it stay ordinary text.
 
@@ -165,7 +170,7 @@ def build_layout(
         if not isinstance(chunk, str):
             raise ValueError(f"chunks must be strings, got {type(chunk).__name__}")
         segments.append(Segment("chunk", chunk, tokenize_text(tokenizer, chunk)))
-        segments.append(Segment("separator", CHUNK_SEPARATOR, _tokenize(tokenizer, CHUNK_SEPARATOR)))
+        segments.append(Segment("separator", CHUNK_SEPARATOR, separator_ids(tokenizer)))
     segments.append(Segment("body", body, tokenize_text(tokenizer, body)))
     segments.append(Segment("suffix", suffix_text, _tokenize(tokenizer, suffix_text)))
     segments.append(Segment("reply", assistant_prefix, tokenize_text(tokenizer, assistant_prefix)))

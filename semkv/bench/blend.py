@@ -34,7 +34,7 @@ import argparse
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,8 +183,14 @@ def _split_options(text: str) -> list[str]:
 
 
 def blend_row(spec: str, ratio: float, base: BlendConfig) -> RowSpec:
-    """A blend row: the selector's own check layer, ``base``'s gradual filtering and chunk sink."""
-    config = BlendConfig(ratio, parse_selector(spec), gradual=base.gradual, sink=base.sink)
+    """A blend row: the selector's own check layer, ``base``'s gradual filtering, chunk sink and separators."""
+    config = BlendConfig(
+        ratio,
+        parse_selector(spec),
+        gradual=base.gradual,
+        sink=base.sink,
+        separator_in_chunk=base.separator_in_chunk,
+    )
     return RowSpec(f"{spec} {ratio:.2f}", "blend", config)
 
 
@@ -193,17 +199,23 @@ def main_rows(args: argparse.Namespace, base: BlendConfig) -> list[RowSpec]:
     if not args.no_prefix_row:
         rows.append(RowSpec("prefix caching only", "prefix"))
     if not args.no_zero_row:
-        rows.append(RowSpec("full reuse (ratio 0)", "blend", BlendConfig(0.0, sink=base.sink)))
+        zero = BlendConfig(0.0, sink=base.sink, separator_in_chunk=base.separator_in_chunk)
+        rows.append(RowSpec("full reuse (ratio 0)", "blend", zero))
     if args.row:
+        pairs = []
         for entry in args.row:
             spec, sep, ratio = entry.rpartition("@")
             if not sep:
                 raise ValueError(f"--row {entry!r} must be SELECTOR@RATIO")
-            rows.append(blend_row(spec, float(ratio), base))
-        return rows
-    selectors = args.selector or list(DEFAULT_SELECTORS)
-    ratios = [float(x) for x in str(args.ratios).split(",") if x.strip()]
-    rows += [blend_row(spec, ratio, base) for spec in selectors for ratio in ratios]
+            pairs.append((spec, float(ratio)))
+    else:
+        ratios = [float(x) for x in str(args.ratios).split(",") if x.strip()]
+        pairs = [(spec, ratio) for spec in args.selector or list(DEFAULT_SELECTORS) for ratio in ratios]
+    for spec, ratio in pairs:
+        rows.append(blend_row(spec, ratio, base))
+        if getattr(args, "separators", None) == "both":  # the same row with the separators recomputed
+            row = blend_row(spec, ratio, replace(base, separator_in_chunk=False))
+            rows.append(replace(row, label=f"{row.label} separators recomputed"))
     return rows
 
 
@@ -213,6 +225,7 @@ def ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[R
 
     def deviation(label: str, **options: Any) -> RowSpec:
         selector = {"name": "deviation", "on": options.pop("on", "k")}
+        options.setdefault("separator_in_chunk", default.separator_in_chunk)
         return RowSpec(
             label, "blend", BlendConfig(ratio, selector, **options), options.get("sink", default.sink)
         )
@@ -225,7 +238,8 @@ def ablation_rows(default: BlendConfig, ratio: float, num_layers: int) -> list[R
     rows.append(deviation(f"deviation {ratio:.2f} gradual", gradual=True))
     for sink in SINK_MODES:
         if sink != default.sink:
-            rows.append(RowSpec(f"full reuse sink={sink}", "blend", BlendConfig(0.0, sink=sink), sink))
+            zero = BlendConfig(0.0, sink=sink, separator_in_chunk=default.separator_in_chunk)
+            rows.append(RowSpec(f"full reuse sink={sink}", "blend", zero, sink))
             rows.append(deviation(f"deviation {ratio:.2f} sink={sink}", sink=sink))
     return rows
 
@@ -282,12 +296,14 @@ def run_cases(
         raise ValueError("the first row must be full prefill (the reference)")
     results: dict[str, list[dict]] = {s.label: [] for s in specs}
     for group in _group_by_sink(specs):
-        sink_config = BlendConfig(sink=group[0].sink)
-        engine.add_chunks(cases[0].chunks, sink_config)
+        chunk_configs = _chunk_configs(group)
+        for config in chunk_configs:
+            engine.add_chunks(cases[0].chunks, config)
         for spec in group:  # warm-up, excluded
             run_row(engine, spec, cases[0], 1)
         for i, case in enumerate(tqdm(cases, desc=f"{workload.name} sink={group[0].sink}", unit="q")):
-            engine.add_chunks(case.chunks, sink_config)
+            for config in chunk_configs:
+                engine.add_chunks(case.chunks, config)
             for spec in group:
                 out = run_row(engine, spec, case, max_new, repair_loops)
                 full = out["logits"] if spec is specs[0] else results[specs[0].label][i]["logits"]
@@ -322,6 +338,14 @@ def _record(
             engine.tokenizer, case, stats["recomputed_rows"]
         )
     return record
+
+
+def _chunk_configs(group: list[RowSpec]) -> list[BlendConfig]:
+    """How the chunks of a group of rows (one sink) are precomputed: with their separators, without, or
+    both, as the group's blend rows ask (the default's way when no row does)."""
+    stored = {spec.config.separator_in_chunk for spec in group if spec.config is not None}
+    flags = sorted(stored) or [BlendConfig.separator_in_chunk]
+    return [BlendConfig(sink=group[0].sink, separator_in_chunk=flag) for flag in flags]
 
 
 def _group_by_sink(specs: list[RowSpec]) -> list[list[RowSpec]]:
@@ -542,6 +566,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-prefix-row", action="store_true", help="skip the prefix-caching-only row")
     parser.add_argument(
+        "--separators",
+        choices=("stored", "recomputed", "both"),
+        default=None,
+        help="chunk separators stored with their chunk or recomputed (default: the engine's blend default); "
+        "both: every blend row twice, the second with them recomputed",
+    )
+    parser.add_argument(
         "--no-repair-loops",
         action="store_true",
         help="decode blend answers without loop repair (semkv/loop_repair.py), as before it existed",
@@ -601,6 +632,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         workloads = essay_workloads(engine.tokenizer, args)
     base = engine.defaults.blend
+    if args.separators in ("stored", "both"):
+        base = replace(base, separator_in_chunk=True)
+    elif args.separators == "recomputed":
+        base = replace(base, separator_in_chunk=False)
     specs = main_rows(args, base)
     labels = [s.label for s in specs]
     # the template is stored once as prefix blocks: prefix caching and blend load it

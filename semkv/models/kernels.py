@@ -343,7 +343,7 @@ def gemm_query_groups(q_pos: Tensor, window: int | None, ordered: bool) -> tuple
     """Query groups [starts[i], ends[i]) of at most :data:`GEMM_QUERY_ROWS` queries. On a window layer with
     queries in position order a group also ends before a query :data:`GEMM_WINDOW_SPAN` x window positions
     past its first: a group reads keys from its first query's window start to its last query, so scattered
-    queries (a blend's probe: the separators and the question, ~50 rows over 4K positions) would otherwise
+    queries (a blend's probe: the template and question rows over 4K positions) would otherwise
     read every key on every window layer (Gemma 3, ~4K tokens: 27 of a probe's 76 ms)."""
     tq = q_pos.shape[0]
     if window is None or not ordered:

@@ -26,8 +26,11 @@ Prefill (the blend)
        never blended (it usually covers the template, sometimes the first chunk(s));
     2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_rows`
        re-applies RoPE to the stored pre-RoPE keys: exact);
-    3. the uncached rows (template rest, separators, body, suffix, chunks not stored) are
-       appended and always recomputed (``forced``);
+    3. the uncached rows (template rest, body, suffix, chunks not stored) are appended and always
+       recomputed (``forced``). A chunk is stored with the separator that follows it in every prompt
+       (``BlendConfig.separator_in_chunk``, the default), so the separators are reused rows like the
+       chunk's own (the selectors that rank by KV deviation still recompute them); without it they are
+       uncached rows too;
     4. :meth:`Runtime.forward_rows` with a :class:`~semkv.reuse.selective.SelectiveRecompute`: layers
        before the check layer recompute every row; at the check layer the best ``recompute_ratio`` of
        the cached rows by the config's row selector (:mod:`semkv.reuse.selection`) go on with the
@@ -63,7 +66,7 @@ from tqdm.auto import tqdm
 from semkv.models.adapters import apply_rope_into
 from semkv.models.cache import KVCache
 from semkv.models.runtime import RopeTables, Runtime, attention
-from semkv.prompt import PromptLayout, build_layout, tokenize_text
+from semkv.prompt import PromptLayout, Segment, build_layout, separator_ids, tokenize_text
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
 from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
@@ -90,6 +93,15 @@ def sink_tokens(ctx: PrefillContext, sink: SinkMode) -> list[int]:
         return list(first.token_ids)
     bos = getattr(ctx.tokenizer, "bos_token_id", None)
     return [int(bos)] if bos is not None else []
+
+
+def stored_chunk_ids(ctx: PrefillContext, chunk_ids: Sequence[int], config: BlendConfig) -> list[int]:
+    """The tokens a chunk is precomputed and stored as: its own, then (``config.separator_in_chunk``) the
+    separator that follows every chunk in a prompt; none for an empty chunk."""
+    if not chunk_ids:
+        return []
+    tail = separator_ids(ctx.tokenizer) if config.separator_in_chunk else []
+    return [*chunk_ids, *tail]
 
 
 def _digest(token_ids: Sequence[int]) -> str:
@@ -172,7 +184,7 @@ def add_chunks(
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise ValueError(f"chunk {index} must be a str, got {type(text).__name__}")
-        ids = tokenize_text(ctx.tokenizer, text)
+        ids = stored_chunk_ids(ctx, tokenize_text(ctx.tokenizer, text), config)
         if not ids:
             raise ValueError(f"chunk {index} is empty")
         if len(ids) + len(sink) > limit:
@@ -220,8 +232,10 @@ class BlendReuse:
         chunks: list[KVEntry | None] = []
         loaded = misses = 0
         for seg, start, end in spans:
-            wanted = bool(seg.token_ids) and end > prefix
-            entry = find_chunk(ctx, seg.token_ids, sink, options.namespace) if wanted else None
+            ids = stored_chunk_ids(ctx, seg.token_ids, config)
+            end = start + len(ids)  # with the separator when it is stored with the chunk
+            wanted = bool(ids) and end > prefix
+            entry = find_chunk(ctx, ids, sink, options.namespace) if wanted else None
             chunks.append(entry)
             if entry is not None:
                 loaded += end - max(start, prefix)
@@ -246,19 +260,16 @@ class BlendReuse:
             if plan.prefix_tokens:
                 stored = load_prefix(ctx, cache, plan.prefix_blocks, plan.prefix_tokens)
             start = cache.length
-            chunk_index = 0
-            for seg, s, e in layout.spans():
-                entry = None
-                if seg.kind == "chunk":
-                    entry = plan.chunks[chunk_index]
-                    chunk_index += 1
+            for seg, s, e, entry, at in _stored_rows(layout, plan.chunks, config.separator_in_chunk):
                 if e <= plan.prefix_tokens:
                     continue
                 first = max(s, plan.prefix_tokens)
-                pieces.append((entry, first - s, e - s))
-                forced.extend([entry is None] * (e - first))
+                pieces.append((entry, at + first - s, at + e - s))
+                recompute = seg.kind == "separator" and config.selector.recomputes_separators
+                forced.extend([entry is None or recompute] * (e - first))
                 query.extend([seg.kind in ("body", "suffix")] * (e - first))
-                offsets.extend(range(first - s, e - s) if seg.kind == "chunk" else [-1] * (e - first))
+                reused = seg.kind == "chunk" or entry is not None
+                offsets.extend(range(at + first - s, at + e - s) if reused else [-1] * (e - first))
             _load_pieces(runtime, cache, pieces, layout.token_ids[plan.prefix_tokens :], plan.prefix_tokens)
         rows = RowInfo(
             torch.tensor(forced, dtype=torch.bool),
@@ -353,8 +364,32 @@ class BlendReuse:
         if outcome.info.get("chunk_misses"):
             sink = sink_tokens(ctx, options.blend.sink)
             for seg, _, _ in layout.chunk_spans():
-                if seg.token_ids and find_chunk(ctx, seg.token_ids, sink, options.namespace) is None:
-                    store_chunk(ctx, precompute_chunk(ctx, seg.token_ids, sink, options.namespace))
+                ids = stored_chunk_ids(ctx, seg.token_ids, options.blend)
+                if ids and find_chunk(ctx, ids, sink, options.namespace) is None:
+                    store_chunk(ctx, precompute_chunk(ctx, ids, sink, options.namespace))
+
+
+def _stored_rows(
+    layout: PromptLayout, chunks: list[KVEntry | None], separator_in_chunk: bool
+) -> list[tuple[Segment, int, int, KVEntry | None, int]]:
+    """Per segment of ``layout``: (segment, start, end, the stored entry its rows come from or None, the
+    offset of its first row in that entry). ``chunks``: per chunk segment, its entry or None. With
+    ``separator_in_chunk`` the separator after a stored chunk comes from that chunk's entry, after the
+    chunk's own rows."""
+    out: list[tuple[Segment, int, int, KVEntry | None, int]] = []
+    found = iter(chunks)
+    carried: tuple[KVEntry, int] | None = None  # the previous segment's chunk entry and its token count
+    for seg, s, e in layout.spans():
+        entry, at = None, 0
+        if seg.kind == "chunk":
+            entry = next(found)
+        elif seg.kind == "separator" and carried is not None:
+            entry, at = carried
+            if len(entry.token_ids) < at + e - s:
+                raise ValueError(f"stored chunk {entry.key[:12]} has no separator rows")
+        carried = (entry, e - s) if seg.kind == "chunk" and entry is not None and separator_in_chunk else None
+        out.append((seg, s, e, entry, at))
+    return out
 
 
 def _load_pieces(

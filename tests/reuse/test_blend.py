@@ -15,8 +15,10 @@ import torch
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation.metrics import logit_kl
+from semkv.prompt import separator_ids
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
+from semkv.reuse.selection.registry import make_selector
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES, tiny_hf_model
 
@@ -47,25 +49,33 @@ def _first_logits(engine: Engine, chunks, **options) -> torch.Tensor:
     return g.first_logits, g.stats
 
 
-def _naive_concatenation(engine: Engine, chunks) -> torch.Tensor:
-    """Reference for ratio 0, built independently: stored chunk KV loaded at its positions, every other
-    segment prefilled in order on top (attending to the loaded rows as they are)."""
+def _naive_concatenation(engine: Engine, chunks, separators: bool = True) -> torch.Tensor:
+    """Reference for ratio 0, built independently: stored chunk KV (each chunk stored with the separator
+    after it, the default) loaded at its positions, every other segment prefilled in order on top
+    (attending to the loaded rows as they are). ``separators``: the stored separator rows are loaded too
+    (False: they are prefilled like the question, as selectors that rank by KV deviation do)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=chunks))
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
+    separator = separator_ids(engine.tokenizer)
+    stored = len(separator) if separators else 0
     logits = None
+    loaded_separator = False  # the separator after a chunk came with the chunk's entry
     for seg, start, end in layout.spans():
-        if not seg.token_ids:
+        if not seg.token_ids or (seg.kind == "separator" and loaded_separator):
+            loaded_separator = False
             continue
-        positions = torch.arange(start, end)
+        loaded_separator = False
         if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
+            ids = [*seg.token_ids, *separator]
+            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
             assert entry is not None
-            runtime.load_rows(cache, entry.k, entry.v, positions, seg.token_ids)
+            rows = len(ids) - len(separator) + stored
+            k, v = entry.k[:, :, :rows], entry.v[:, :, :rows]
+            runtime.load_rows(cache, k, v, torch.arange(start, start + rows), ids[:rows])
+            loaded_separator = separators
         else:
-            logits = runtime.prefill(cache, seg.token_ids, positions=positions)
+            logits = runtime.prefill(cache, seg.token_ids, positions=torch.arange(start, end))
     return logits
 
 
@@ -232,11 +242,33 @@ def _full_seq(engine: Engine, chunks):
     )
 
 
-def _chunk_rows(engine: Engine, layout) -> list[tuple[int, int, object]]:
-    """(row, row within its chunk, stored chunk entry) of every cached chunk row of ``layout``."""
+def _stored_spans(engine: Engine, layout, separators: bool = True) -> list[tuple[int, int, list[int]]]:
+    """(first row, end row, stored token ids) of every chunk of ``layout``, with the separator after it
+    (``separators``: chunks stored with their separator, the default)."""
+    separator = separator_ids(engine.tokenizer) if separators else []
+    return [
+        (start, end + len(separator), [*seg.token_ids, *separator])
+        for seg, start, end in layout.chunk_spans()
+        if seg.token_ids
+    ]
+
+
+def _reused_spans(engine: Engine, layout, selector: object = "query") -> list[tuple[int, int, list[int]]]:
+    """:func:`_stored_spans` cut to the rows a blend ranked by ``selector`` reuses: a chunk's, and its stored
+    separator's unless the selector recomputes separators (the ones that rank by KV deviation)."""
+    spans = _stored_spans(engine, layout)
+    if make_selector(selector).recomputes_separators:
+        cut = len(separator_ids(engine.tokenizer))
+        spans = [(start, end - cut, ids) for start, end, ids in spans]
+    return spans
+
+
+def _chunk_rows(engine: Engine, layout, selector: object = "query") -> list[tuple[int, int, object]]:
+    """(row, row within its stored chunk, stored chunk entry) of every row of ``layout`` a blend ranked by
+    ``selector`` reuses: the chunks' rows and (see :func:`_reused_spans`) their separators'."""
     rows = []
-    for seg, start, end in layout.chunk_spans():
-        entry = engine.store.get(chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK)
+    for start, end, ids in _reused_spans(engine, layout, selector):
+        entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
         rows += [(start + i, i, entry) for i in range(end - start)]
     return rows
 
@@ -270,7 +302,7 @@ def test_check_layer_recomputes_every_row_up_to_it(make_tiny_engine, tokenizer, 
             blend.cache.k_pre[layer][:, :n], full.cache.k_pre[layer][:, :n], atol=1e-5, rtol=0
         )
         torch.testing.assert_close(blend.cache.v[layer][:, :n], full.cache.v[layer][:, :n], atol=1e-5, rtol=0)
-    rows = _chunk_rows(engine, blend.layout)
+    rows = _chunk_rows(engine, blend.layout, "deviation")
     selected = math.ceil(ratio * len(rows))
     assert blend.outcome.info["blend_selected_tokens"] == selected
     for layer in range(check_layer + 1, engine.num_layers):
@@ -291,7 +323,7 @@ def test_deviation_on_ranks_rows_by_keys_values_or_both(make_tiny_engine, tokeni
     for on in ("k", "v", "kv"):
         selector = {"name": "deviation", "on": on}
         blend = _blend_seq(engine, DOCS, recompute_ratio=0.2, selector=selector, check_layer=1)
-        rows = _chunk_rows(engine, blend.layout)
+        rows = _chunk_rows(engine, blend.layout, "deviation")
         dk = {r: float((full.cache.k_pre[1][:, r] - e.k[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
         dv = {r: float((full.cache.v[1][:, r] - e.v[1][:, i].float()).pow(2).sum()) for r, i, e in rows}
         deviation = {r: (dk[r] if on == "k" else dv[r] if on == "v" else dk[r] + dv[r]) ** 0.5 for r in dk}
@@ -313,7 +345,7 @@ def test_gradual_filtering_narrows_over_three_layers(make_tiny_engine, tokenizer
     blend = _blend_seq(
         engine, DOCS, recompute_ratio=ratio, selector="deviation", check_layer=1, gradual=gradual
     )
-    rows = _chunk_rows(engine, blend.layout)
+    rows = _chunk_rows(engine, blend.layout, "deviation")
     recomputed = [len(rows) - len(_rows_holding_reused_kv(blend, rows, layer)) for layer in range(2, 6)]
     fractions = (2 * ratio, 1.5 * ratio, ratio, ratio) if gradual else (ratio,) * 4
     assert recomputed == [math.ceil(f * len(rows)) for f in fractions]
@@ -333,7 +365,7 @@ def test_sink_mode_decides_what_a_chunk_is_computed_after(make_tiny_engine, toke
     }[sink]
     assert sink == "none" or expected_sink
     (key,) = engine.add_chunks(DOCS[:1], BlendConfig(sink=sink))
-    ids = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]
+    ids = tokenizer(DOCS[0], add_special_tokens=False)["input_ids"] + separator_ids(tokenizer)
     entry = engine.store.get(key, ids, EntryKind.CHUNK)
     assert entry.meta["sink_tokens"] == len(expected_sink)
     cache = engine.runtime.new_cache(len(expected_sink) + len(ids))

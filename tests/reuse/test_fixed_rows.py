@@ -18,33 +18,36 @@ import torch
 from semkv.engine import Engine
 from semkv.models.cache import KVCache
 from semkv.request import GenerateRequest
-from semkv.reuse.blend import _load_pieces
+from semkv.reuse.blend import _load_pieces, _stored_rows
 from semkv.reuse.selection.base import RowInfo
 from semkv.reuse.selection.registry import make_selector
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute, forward_fixed_rows
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES
-from tests.reuse.test_blend import DOCS, QUESTION, _engine
+from tests.reuse.test_blend import DOCS, QUESTION, _engine, _stored_spans
 
 
 def _loaded(engine: Engine) -> tuple[KVCache, RowInfo]:
-    """The blend's rows (no exact prefix) loaded by ``_load_pieces``, and what each row is."""
+    """The blend's rows (no exact prefix) loaded by ``_load_pieces``, and what each row is (the separator
+    after a chunk comes from the chunk's entry, as chunks are stored with it by default)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     cache = engine.runtime.new_cache(len(layout))
+    entries = [_entry(engine, ids) for _, _, ids in _stored_spans(engine, layout)]
     pieces, forced, query, offsets = [], [], [], []
-    for seg, start, end in layout.spans():
-        entry = None
-        if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
-            assert entry is not None
-        pieces.append((entry, 0, end - start))
-        forced += [entry is None] * (end - start)
-        query += [seg.kind in ("body", "suffix")] * (end - start)
-        offsets += list(range(end - start)) if seg.kind == "chunk" else [-1] * (end - start)
+    for seg, start, end, entry, at in _stored_rows(layout, entries, True):
+        n = end - start
+        pieces.append((entry, at, at + n))
+        forced += [entry is None] * n
+        query += [seg.kind in ("body", "suffix")] * n
+        offsets += list(range(at, at + n)) if entry is not None else [-1] * n
     _load_pieces(engine.runtime, cache, pieces, layout.token_ids, 0)
     return cache, RowInfo(torch.tensor(forced), torch.tensor(query), torch.tensor(offsets))
+
+
+def _entry(engine: Engine, ids: list[int]):
+    entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
+    assert entry is not None
+    return entry
 
 
 def _assert_same_kv(a: KVCache, b: KVCache, layers: range, rows: torch.Tensor | slice) -> None:
@@ -56,21 +59,25 @@ def _assert_same_kv(a: KVCache, b: KVCache, layers: range, rows: torch.Tensor | 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_loading_in_one_piece_is_loading_chunk_by_chunk(family, make_tiny_engine, tokenizer):
-    """Chunk rows hold the stored KV re-rotated to their positions, bit for bit what one
-    ``Runtime.load_rows`` per chunk writes; the other rows hold zeros."""
+    """Chunk rows (and their separators) hold the stored KV re-rotated to their positions, bit for bit what
+    one ``Runtime.load_rows`` per chunk writes; the other rows hold zeros."""
     engine = _engine(make_tiny_engine, tokenizer, family)
     engine.add_chunks(DOCS)
     cache, rows = _loaded(engine)
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     reference = engine.runtime.new_cache(len(layout))
-    for seg, start, end in layout.spans():
-        if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
-            engine.runtime.load_rows(reference, entry.k, entry.v, torch.arange(start, end), seg.token_ids)
+    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout)}
+    row = 0
+    for _, start, end in layout.spans():
+        if start < row or start == end:
+            continue  # a separator loaded with its chunk
+        if start in stored:
+            end, ids = stored[start]
+            entry = _entry(engine, ids)
+            engine.runtime.load_rows(reference, entry.k, entry.v, torch.arange(start, end), ids)
         else:
-            reference.append_rows(torch.arange(start, end), seg.token_ids)
+            reference.append_rows(torch.arange(start, end), layout.token_ids[start:end])
+        row = end
     assert cache.length == reference.length and cache.token_ids == reference.token_ids
     assert torch.equal(cache.valid_positions(), reference.valid_positions())
     chunk_rows = ~rows.forced

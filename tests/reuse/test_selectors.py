@@ -22,7 +22,15 @@ from semkv.reuse.selection.registry import SELECTORS, make_selector
 from semkv.reuse.selective import QueryProbe, query_attention, question_attention
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES
-from tests.reuse.test_blend import DOCS, QUESTION, _engine, _first_logits, _naive_concatenation
+from tests.reuse.test_blend import (
+    DOCS,
+    QUESTION,
+    _engine,
+    _first_logits,
+    _naive_concatenation,
+    _reused_spans,
+    _stored_spans,
+)
 
 # every registered selector, with a setting that differs from its default where it has one
 SELECTOR_SPECS = [
@@ -49,10 +57,13 @@ def test_every_registered_selector_is_in_the_matrix():
     assert {make_selector(s).name for s in SELECTOR_SPECS} == set(SELECTORS)
 
 
-def _layout_rows(engine: Engine, chunks: list[str]) -> tuple[set[int], set[int], list[tuple[int, int]]]:
-    """(chunk rows, other rows, chunk spans) of the request's layout."""
+def _layout_rows(
+    engine: Engine, chunks: list[str], selector: object = "query"
+) -> tuple[set[int], set[int], list[tuple[int, int]]]:
+    """(chunk rows, other rows, chunk spans) of the request's layout as a blend ranked by ``selector`` sees
+    them; a chunk's rows and span include the separator stored with it unless the selector recomputes it."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=chunks))
-    spans = [(s, e) for _, s, e in layout.chunk_spans()]
+    spans = [(s, e) for s, e, _ in _reused_spans(engine, layout, selector)]
     chunk_rows = {r for s, e in spans for r in range(s, e)}
     return chunk_rows, set(range(len(layout))) - chunk_rows, spans
 
@@ -71,9 +82,10 @@ def test_selector_matrix(spec, family, make_tiny_engine, tokenizer):
     torch.testing.assert_close(one, full, atol=1e-4, rtol=0)
     zero, stats = _first_logits(engine, DOCS, reuse="blend", blend=BlendConfig(0.0, spec))
     assert stats["blend_selected_tokens"] == 0
-    torch.testing.assert_close(zero, _naive_concatenation(engine, DOCS), atol=1e-4, rtol=0)
+    naive = _naive_concatenation(engine, DOCS, not make_selector(spec).recomputes_separators)
+    torch.testing.assert_close(zero, naive, atol=1e-4, rtol=0)
 
-    chunk_rows, other_rows, _ = _layout_rows(engine, DOCS)
+    chunk_rows, other_rows, _ = _layout_rows(engine, DOCS, spec)
     for ratio in (0.1, 0.3):
         config = BlendConfig(ratio, spec)
         logits, stats = _first_logits(engine, DOCS, reuse="blend", blend=config)
@@ -109,7 +121,7 @@ def test_deviation_keeps_the_most_deviating_rows(make_tiny_engine, tokenizer):
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     deviations = _reference_deviation(engine, layout)
     _, stats = _first_logits(engine, DOCS, reuse="blend", blend=BlendConfig(0.3, "deviation"))
-    chunk_rows, _, _ = _layout_rows(engine, DOCS)
+    chunk_rows, _, _ = _layout_rows(engine, DOCS, "deviation")
     selected = sorted(set(stats["recomputed_rows"]) & chunk_rows)
     budget = len(selected)
     expected = sorted(sorted(deviations, key=deviations.get, reverse=True)[:budget])
@@ -117,42 +129,46 @@ def test_deviation_keeps_the_most_deviating_rows(make_tiny_engine, tokenizer):
 
 
 def _reference_deviation(engine: Engine, layout) -> dict[int, float]:
-    """K deviation at layer 1 of every chunk row, from a full prefill (layer 1's fresh keys) against
-    the stored chunk keys: the check layer sees exactly these (layers 0 and 1 run every row)."""
+    """K deviation at layer 1 of every chunk row (deviation recomputes the separators), from a full prefill
+    (layer 1's fresh keys) against the stored chunk keys: the check layer sees exactly these (layers 0 and
+    1 run every row)."""
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     runtime.prefill(cache, layout.token_ids)
     out = {}
-    for seg, start, end in layout.chunk_spans():
-        entry = engine.store.get(chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK)
+    for start, end, ids in _reused_spans(engine, layout, "deviation"):
+        entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
         fresh = cache.k_pre[1][:, start:end].float()
-        stored = entry.k[1].float()
+        stored = entry.k[1, :, : end - start].float()
         for i, dev in enumerate((fresh - stored).pow(2).sum(dim=(0, 2)).sqrt().tolist()):
             out[start + i] = dev
     return out
 
 
-def _manual_probe(engine: Engine, layers: tuple[int, ...]):
-    """The blend's rows laid out by hand (chunk KV loaded, the rest blank) and a QueryProbe run over them,
+def _manual_probe(engine: Engine, layers: tuple[int, ...], separators: bool = True):
+    """The blend's rows laid out by hand (chunk KV with its separator's loaded, the rest blank) and a QueryProbe run over them,
     capturing every layer's queries. Returns (probe, captured queries, cache, forced, query)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     forced, query = [], []
+    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout, separators)}
+    row = 0
     for seg, start, end in layout.spans():
-        positions = torch.arange(start, end)
-        if seg.kind == "chunk":
-            entry = engine.store.get(
-                chunk_key(engine.fingerprint, seg.token_ids), seg.token_ids, EntryKind.CHUNK
-            )
-            runtime.load_rows(cache, entry.k, entry.v, positions, seg.token_ids)
+        if start < row or start == end:
+            continue  # a separator loaded with its chunk
+        if start in stored:
+            end, ids = stored[start]
+            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
+            runtime.load_rows(cache, entry.k, entry.v, torch.arange(start, end), ids)
         else:
-            cache.append_rows(positions, seg.token_ids)
+            cache.append_rows(torch.arange(start, end), seg.token_ids)
             for layer in range(runtime.num_layers):
                 zeros = torch.zeros(cache.num_kv_heads, end - start, cache.head_dim)
                 cache.write(layer, slice(start, end), zeros, zeros, zeros)
-        forced += [seg.kind != "chunk"] * (end - start)
+        forced += [start not in stored] * (end - start)
         query += [seg.kind in ("body", "suffix")] * (end - start)
+        row = end
     forced, query = torch.tensor(forced), torch.tensor(query)
     rows = RowInfo(forced, query, torch.full((len(forced),), -1))
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -230,10 +246,9 @@ def test_question_attention_is_the_layer_attention(dtype, tol):
     torch.testing.assert_close(mass.sum(), torch.tensor(6.0 * 5))
 
 
-def _blend_cache(engine: Engine, selector: dict):
-    request = GenerateRequest(
-        prompt=QUESTION, chunks=DOCS, reuse="blend", blend=BlendConfig(0.2, selector), store_prompt=False
-    )
+def _blend_cache(engine: Engine, selector: dict, separators: bool = True):
+    blend = BlendConfig(0.2, selector, separator_in_chunk=separators)
+    request = GenerateRequest(prompt=QUESTION, chunks=DOCS, reuse="blend", blend=blend, store_prompt=False)
     seq = engine.prefill(request)
     assert seq.stats()["prefix_tokens"] == 0  # the blend's rows are the manual probe's
     return seq.cache, seq.stats()
@@ -247,14 +262,15 @@ def _rows(buffer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_probe_rows_keep_the_probe_kv(make_tiny_engine, tokenizer):
     """keep_probe_rows: the forced rows other than the question keep the KV the probe wrote at every layer;
     without it (the default) they are recomputed over the refreshed chunk rows (other KV), and so is the
-    question either way. The rows counted as recomputed are the same either way."""
+    question either way. The rows counted as recomputed are the same either way. Chunks stored without
+    their separators, so the separators are forced rows besides the template's."""
     engine = _engine(make_tiny_engine, tokenizer, "qwen2")
-    engine.add_chunks(DOCS)
+    engine.add_chunks(DOCS, BlendConfig(separator_in_chunk=False))
     windows = [engine.adapter.window(layer) for layer in range(engine.num_layers)]
     layers = make_selector("query").probe_layers(windows)
-    probe, _, probe_cache, forced, query = _manual_probe(engine, layers)
-    kept, kept_stats = _blend_cache(engine, {"name": "query", "keep_probe_rows": True})
-    redone, redone_stats = _blend_cache(engine, "query")
+    probe, _, probe_cache, forced, query = _manual_probe(engine, layers, separators=False)
+    kept, kept_stats = _blend_cache(engine, {"name": "query", "keep_probe_rows": True}, separators=False)
+    redone, redone_stats = _blend_cache(engine, "query", separators=False)
     settled = forced & ~query
     settled[-1] = False
     assert int(settled.sum()) > 3

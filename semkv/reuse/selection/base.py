@@ -173,6 +173,13 @@ class RowSelector:
         return False
 
     @property
+    def recomputes_separators(self) -> bool:
+        """True: the separators between chunks are forced rows (recomputed at every layer) even when they are
+        stored with their chunk (``BlendConfig.separator_in_chunk``): the selectors that rank by KV
+        deviation (see :class:`semkv.reuse.options.BlendConfig`)."""
+        return self.uses_deviation
+
+    @property
     def scales_attention(self) -> bool:
         return self.temperature != 1.0 or self.scale != 1.0
 
