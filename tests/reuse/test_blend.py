@@ -15,7 +15,7 @@ import torch
 from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation.metrics import logit_kl
-from semkv.prompt import separator_ids
+from semkv.prompt import Segment, separator_ids
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from semkv.reuse.selection.registry import make_selector
@@ -251,6 +251,25 @@ def _stored_spans(engine: Engine, layout, separators: bool = True) -> list[tuple
         for seg, start, end in layout.chunk_spans()
         if seg.token_ids
     ]
+
+
+def _laid_out(engine: Engine, layout, separators: bool = True) -> list[tuple[Segment, int, int, object]]:
+    """The pieces a blend lays ``layout`` out in: (segment, start, end, stored chunk entry or None). A stored
+    chunk's piece covers its separator too (``separators``: chunks stored with it, the default), so the
+    separator's own segment is left out."""
+    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout, separators)}
+    pieces, row = [], 0
+    for seg, start, end in layout.spans():
+        if start < row or start == end:
+            continue  # a separator loaded with its chunk
+        entry = None
+        if start in stored:
+            end, ids = stored[start]
+            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
+            assert entry is not None
+        pieces.append((seg, start, end, entry))
+        row = end
+    return pieces
 
 
 def _reused_spans(engine: Engine, layout, selector: object = "query") -> list[tuple[int, int, list[int]]]:

@@ -24,7 +24,7 @@ from semkv.reuse.selection.registry import make_selector
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute, forward_fixed_rows
 from semkv.store.keys import EntryKind, chunk_key
 from tests.conftest import TINY_FAMILIES
-from tests.reuse.test_blend import DOCS, QUESTION, _engine, _stored_spans
+from tests.reuse.test_blend import DOCS, QUESTION, _engine, _laid_out, _stored_spans
 
 
 def _loaded(engine: Engine) -> tuple[KVCache, RowInfo]:
@@ -66,18 +66,12 @@ def test_loading_in_one_piece_is_loading_chunk_by_chunk(family, make_tiny_engine
     cache, rows = _loaded(engine)
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     reference = engine.runtime.new_cache(len(layout))
-    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout)}
-    row = 0
-    for _, start, end in layout.spans():
-        if start < row or start == end:
-            continue  # a separator loaded with its chunk
-        if start in stored:
-            end, ids = stored[start]
-            entry = _entry(engine, ids)
+    for _, start, end, entry in _laid_out(engine, layout):
+        ids = layout.token_ids[start:end]
+        if entry is not None:
             engine.runtime.load_rows(reference, entry.k, entry.v, torch.arange(start, end), ids)
         else:
-            reference.append_rows(torch.arange(start, end), layout.token_ids[start:end])
-        row = end
+            reference.append_rows(torch.arange(start, end), ids)
     assert cache.length == reference.length and cache.token_ids == reference.token_ids
     assert torch.equal(cache.valid_positions(), reference.valid_positions())
     chunk_rows = ~rows.forced

@@ -27,9 +27,9 @@ from tests.reuse.test_blend import (
     QUESTION,
     _engine,
     _first_logits,
+    _laid_out,
     _naive_concatenation,
     _reused_spans,
-    _stored_spans,
 )
 
 # every registered selector, with a setting that differs from its default where it has one
@@ -146,29 +146,24 @@ def _reference_deviation(engine: Engine, layout) -> dict[int, float]:
 
 
 def _manual_probe(engine: Engine, layers: tuple[int, ...], separators: bool = True):
-    """The blend's rows laid out by hand (chunk KV with its separator's loaded, the rest blank) and a QueryProbe run over them,
-    capturing every layer's queries. Returns (probe, captured queries, cache, forced, query)."""
+    """The blend's rows laid out by hand (chunk KV loaded with its separator's, the rest blank) and a
+    QueryProbe run over them, capturing every layer's queries. Returns (probe, captured queries, cache,
+    forced, query)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     runtime = engine.runtime
     cache = runtime.new_cache(len(layout))
     forced, query = [], []
-    stored = {start: (end, ids) for start, end, ids in _stored_spans(engine, layout, separators)}
-    row = 0
-    for seg, start, end in layout.spans():
-        if start < row or start == end:
-            continue  # a separator loaded with its chunk
-        if start in stored:
-            end, ids = stored[start]
-            entry = engine.store.get(chunk_key(engine.fingerprint, ids), ids, EntryKind.CHUNK)
+    for seg, start, end, entry in _laid_out(engine, layout, separators):
+        if entry is not None:
+            ids = layout.token_ids[start:end]
             runtime.load_rows(cache, entry.k, entry.v, torch.arange(start, end), ids)
         else:
             cache.append_rows(torch.arange(start, end), seg.token_ids)
             for layer in range(runtime.num_layers):
                 zeros = torch.zeros(cache.num_kv_heads, end - start, cache.head_dim)
                 cache.write(layer, slice(start, end), zeros, zeros, zeros)
-        forced += [start not in stored] * (end - start)
+        forced += [entry is None] * (end - start)
         query += [seg.kind in ("body", "suffix")] * (end - start)
-        row = end
     forced, query = torch.tensor(forced), torch.tensor(query)
     rows = RowInfo(forced, query, torch.full((len(forced),), -1))
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
