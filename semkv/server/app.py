@@ -237,8 +237,13 @@ class ServerState:
         ext = body.semkv or SemkvExtension()
         options = ext.options
         check_engine_options(options)
-        if isinstance(options.get("blend"), dict):  # the sink stays the server's (documents are made with it)
-            options["blend"] = {**options["blend"], "sink": self.server_blend().sink}
+        if isinstance(options.get("blend"), dict):  # how documents are made and stored stays the server's
+            server = self.server_blend()
+            options["blend"] = {
+                **options["blend"],
+                "sink": server.sink,
+                "separator_in_chunk": server.separator_in_chunk,
+            }
         namespace = self.namespace(principal, body.cache_salt)
         temperature = body.temperature if body.temperature is not None else self.config.default_temperature
         seed = (

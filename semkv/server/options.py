@@ -8,7 +8,9 @@ client can send (:mod:`semkv.validation`). What a request must not choose is ref
 * options OpenAI has a field for (``max_tokens``, ``temperature``, ...) and the namespace (``tenant``
   comes from the API key, ``cache_salt`` is its own top-level field);
 * ``blend.sink``: chunks of documents are precomputed with the server's sink, and a request naming
-  another one would replace the stored chunk entries every other request of its namespace uses.
+  another one would replace the stored chunk entries every other request of its namespace uses;
+* ``blend.separator_in_chunk``: documents are stored with (or without) the separator after each chunk as
+  the server's default says, and a request asking the other way would find none of them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ RESERVED_OPTIONS = {
     "tenant": "the API key (Authorization: Bearer ...)",
     "cache_salt": "cache_salt (a top-level field)",
 }
-SERVER_ONLY = {("blend", "sink"): "the server's --default blend=... (documents are precomputed with it)"}
+SERVER_ONLY = {
+    ("blend", "sink"): "the server's --default blend=... (documents are precomputed with it)",
+    ("blend", "separator_in_chunk"): "the server's --default blend=... (documents are stored with it)",
+}
 
 
 def engine_option_names() -> set[str]:

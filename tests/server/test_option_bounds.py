@@ -54,6 +54,7 @@ BAD = [
     ({"share": {"unknown": 1}}, "semkv.share.unknown"),
     ({"share": "x"}, "semkv.share"),
     ({"blend": {"sink": "none"}}, "semkv.blend.sink"),
+    ({"blend": {"separator_in_chunk": False}}, "semkv.blend.separator_in_chunk"),
     ({"blend": {"check_layer": 10**9}}, "semkv.blend.check_layer"),
     ({"blend": {"gradual": "yes"}}, "semkv.blend.gradual"),
     ({"blend": {"recompute_ratio": 2}}, "semkv.blend.recompute_ratio"),
@@ -119,7 +120,10 @@ simhash = st.fixed_dictionaries({}, optional={name: junk for name in field_names
 share = st.fixed_dictionaries(
     {}, optional={**{n: junk for n in field_names(ShareConfig) if n != "simhash"}, "simhash": simhash | junk}
 )
-blend = st.fixed_dictionaries({}, optional={n: junk for n in field_names(BlendConfig) if n != "sink"})
+server_only = ("sink", "separator_in_chunk")
+blend = st.fixed_dictionaries(
+    {}, optional={n: junk for n in field_names(BlendConfig) if n not in server_only}
+)
 options = st.fixed_dictionaries(
     {},
     optional={
