@@ -213,7 +213,7 @@ def main_rows(args: argparse.Namespace, base: BlendConfig) -> list[RowSpec]:
         pairs = [(spec, ratio) for spec in args.selector or list(DEFAULT_SELECTORS) for ratio in ratios]
     for spec, ratio in pairs:
         rows.append(blend_row(spec, ratio, base))
-        if getattr(args, "separators", None) == "both":  # the same row with the separators recomputed
+        if args.separators == "both":  # the same row with the separators recomputed
             row = blend_row(spec, ratio, replace(base, separator_in_chunk=False))
             rows.append(replace(row, label=f"{row.label} separators recomputed"))
     return rows

@@ -95,13 +95,16 @@ def sink_tokens(ctx: PrefillContext, sink: SinkMode) -> list[int]:
     return [int(bos)] if bos is not None else []
 
 
-def stored_chunk_ids(ctx: PrefillContext, chunk_ids: Sequence[int], config: BlendConfig) -> list[int]:
-    """The tokens a chunk is precomputed and stored as: its own, then (``config.separator_in_chunk``) the
-    separator that follows every chunk in a prompt; none for an empty chunk."""
-    if not chunk_ids:
-        return []
-    tail = separator_ids(ctx.tokenizer) if config.separator_in_chunk else []
-    return [*chunk_ids, *tail]
+def chunk_tail(ctx: PrefillContext, config: BlendConfig) -> list[int]:
+    """The tokens stored after every chunk's own: the separator that follows each chunk in a prompt
+    (``config.separator_in_chunk``), else none. Tokenized once per call: callers reuse it for every chunk."""
+    return separator_ids(ctx.tokenizer) if config.separator_in_chunk else []
+
+
+def stored_chunk_ids(chunk_ids: Sequence[int], tail: Sequence[int]) -> list[int]:
+    """The tokens a chunk is precomputed and stored as: its own, then ``tail`` (:func:`chunk_tail`); none for
+    an empty chunk."""
+    return [*chunk_ids, *tail] if chunk_ids else []
 
 
 def _digest(token_ids: Sequence[int]) -> str:
@@ -180,11 +183,12 @@ def add_chunks(
     config = config or BlendConfig()
     sink = sink_tokens(ctx, config.sink)
     limit = int(ctx.runtime.adapter.max_positions)
+    tail = chunk_tail(ctx, config)
     tokenized: list[list[int]] = []
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise ValueError(f"chunk {index} must be a str, got {type(text).__name__}")
-        ids = stored_chunk_ids(ctx, tokenize_text(ctx.tokenizer, text), config)
+        ids = stored_chunk_ids(tokenize_text(ctx.tokenizer, text), tail)
         if not ids:
             raise ValueError(f"chunk {index} is empty")
         if len(ids) + len(sink) > limit:
@@ -231,8 +235,9 @@ class BlendReuse:
         sink = sink_tokens(ctx, config.sink)
         chunks: list[KVEntry | None] = []
         loaded = misses = 0
+        tail = chunk_tail(ctx, config)
         for seg, start, end in spans:
-            ids = stored_chunk_ids(ctx, seg.token_ids, config)
+            ids = stored_chunk_ids(seg.token_ids, tail)
             end = start + len(ids)  # with the separator when it is stored with the chunk
             wanted = bool(ids) and end > prefix
             entry = find_chunk(ctx, ids, sink, options.namespace) if wanted else None
@@ -363,8 +368,9 @@ class BlendReuse:
             )
         if outcome.info.get("chunk_misses"):
             sink = sink_tokens(ctx, options.blend.sink)
+            tail = chunk_tail(ctx, options.blend)
             for seg, _, _ in layout.chunk_spans():
-                ids = stored_chunk_ids(ctx, seg.token_ids, options.blend)
+                ids = stored_chunk_ids(seg.token_ids, tail)
                 if ids and find_chunk(ctx, ids, sink, options.namespace) is None:
                     store_chunk(ctx, precompute_chunk(ctx, ids, sink, options.namespace))
 
@@ -375,7 +381,8 @@ def _stored_rows(
     """Per segment of ``layout``: (segment, start, end, the stored entry its rows come from or None, the
     offset of its first row in that entry). ``chunks``: per chunk segment, its entry or None. With
     ``separator_in_chunk`` the separator after a stored chunk comes from that chunk's entry, after the
-    chunk's own rows."""
+    chunk's own rows (the entry was found under the chunk's tokens then the separator's, and the store
+    returns only an entry holding exactly those tokens)."""
     out: list[tuple[Segment, int, int, KVEntry | None, int]] = []
     found = iter(chunks)
     carried: tuple[KVEntry, int] | None = None  # the previous segment's chunk entry and its token count
@@ -385,8 +392,6 @@ def _stored_rows(
             entry = next(found)
         elif seg.kind == "separator" and carried is not None:
             entry, at = carried
-            if len(entry.token_ids) < at + e - s:
-                raise ValueError(f"stored chunk {entry.key[:12]} has no separator rows")
         carried = (entry, e - s) if seg.kind == "chunk" and entry is not None and separator_in_chunk else None
         out.append((seg, s, e, entry, at))
     return out
