@@ -243,7 +243,10 @@ class BlendReuse:
             entry = find_chunk(ctx, ids, sink, options.namespace) if wanted else None
             chunks.append(entry)
             if entry is not None:
-                loaded += end - max(start, prefix)
+                rows = end - max(start, prefix)
+                if config.selector.recomputes_separators:  # the stored separator is forced, not reused
+                    rows -= min(len(tail), rows)
+                loaded += rows
             misses += wanted and entry is None
         if loaded == 0 and (options.mode != self.name or misses == 0):
             # Under "auto" a blend without stored chunks reuses nothing; asked for explicitly, the

@@ -4,11 +4,13 @@ Injected: chunks added with the option on (and off), then blends over them. Must
 the chunk's tokens then the separator's, holding the KV of one prefill of both after the sink; in a blend the
 separator rows get that entry's rows after the chunk's (ratio 0: loaded as they are), are reused rows, not
 forced ones (the query probe does not compute them; they count as cached), except for the selectors
-that rank by KV deviation, which recompute them as before; ratio 1 is still full prefill; with the option off the separators stay forced; an entry stored one way is a miss for a request
+that rank by KV deviation, which recompute them as before (and the plan's reuse estimate leaves them out); ratio 1 is still full prefill; with the option off the separators stay forced; an entry stored one way is a miss for a request
 asking the other way.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -119,6 +121,26 @@ def test_deviation_selectors_recompute_the_separators_either_way(
     separators = {row for start, end, _ in _separator_spans(layout) for row in range(start, end)}
     assert separators <= set(stored_stats["recomputed_rows"])
     torch.testing.assert_close(stored, apart, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("selector", ["query", "deviation"])
+def test_plan_counts_stored_separators_as_reused_only_when_they_are(selector, make_tiny_engine, tokenizer):
+    """The plan's reuse estimate (what "auto" compares paths by) counts a stored separator's rows as reused
+    rows for a selector that reuses them, and not for one that recomputes them (deviation): then it is the
+    estimate of the same blend over chunks stored without their separators."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama", layers=2)
+    engine.add_chunks(DOCS, ON)
+    engine.add_chunks(DOCS, BlendConfig(separator_in_chunk=False))
+    request = GenerateRequest(prompt=QUESTION, chunks=DOCS, reuse="blend", store_prompt=False)
+    estimates = {}
+    for on in (True, False):
+        blend = BlendConfig(0.2, selector, separator_in_chunk=on)
+        plan, _ = engine.plan(dataclasses.replace(request, blend=blend))
+        assert plan.path == "blend"
+        estimates[on] = plan.reused_tokens
+    separators = sum(end - start for start, end, _ in _separator_spans(engine.layout(request)))
+    counted = int(separators * 0.8) if selector == "query" else 0
+    assert abs(estimates[True] - estimates[False] - counted) <= 1
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
