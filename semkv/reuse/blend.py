@@ -70,7 +70,7 @@ from semkv.prompt import PromptLayout, Segment, build_layout, separator_ids, tok
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
 from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
-from semkv.reuse.selection.base import ContextScaling, RowInfo
+from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute, forward_fixed_rows
 from semkv.store.entry import KVEntry
 from semkv.store.keys import EntryKey, EntryKind, Namespace, chunk_key
@@ -234,7 +234,7 @@ class BlendReuse:
         blocks = blocks[: math.ceil(prefix / ctx.block_size)] if prefix > 0 else []
         sink = sink_tokens(ctx, config.sink)
         chunks: list[KVEntry | None] = []
-        loaded = misses = 0
+        misses = 0
         tail = chunk_tail(ctx, config)
         for seg, start, end in spans:
             ids = stored_chunk_ids(seg.token_ids, tail)
@@ -242,12 +242,12 @@ class BlendReuse:
             wanted = bool(ids) and end > prefix
             entry = find_chunk(ctx, ids, sink, options.namespace) if wanted else None
             chunks.append(entry)
-            if entry is not None:
-                rows = end - max(start, prefix)
-                if config.selector.recomputes_separators:  # the stored separator is forced, not reused
-                    rows -= min(len(tail), rows)
-                loaded += rows
             misses += wanted and entry is None
+        loaded = sum(
+            e - max(s, prefix)
+            for seg, s, e, entry, _ in _stored_rows(layout, chunks, config.separator_in_chunk)
+            if e > prefix and not _forced(seg, entry, config.selector)
+        )
         if loaded == 0 and (options.mode != self.name or misses == 0):
             # Under "auto" a blend without stored chunks reuses nothing; asked for explicitly, the
             # missing chunks are computed in place (exact) and stored after the first token.
@@ -273,8 +273,7 @@ class BlendReuse:
                     continue
                 first = max(s, plan.prefix_tokens)
                 pieces.append((entry, at + first - s, at + e - s))
-                recompute = seg.kind == "separator" and config.selector.recomputes_separators
-                forced.extend([entry is None or recompute] * (e - first))
+                forced.extend([_forced(seg, entry, config.selector)] * (e - first))
                 query.extend([seg.kind in ("body", "suffix")] * (e - first))
                 reused = seg.kind == "chunk" or entry is not None
                 offsets.extend(range(at + first - s, at + e - s) if reused else [-1] * (e - first))
@@ -376,6 +375,13 @@ class BlendReuse:
                 ids = stored_chunk_ids(seg.token_ids, tail)
                 if ids and find_chunk(ctx, ids, sink, options.namespace) is None:
                     store_chunk(ctx, precompute_chunk(ctx, ids, sink, options.namespace))
+
+
+def _forced(seg: Segment, entry: KVEntry | None, selector: RowSelector) -> bool:
+    """Whether a segment's rows are recomputed at every layer (forced rows) rather than reused: they hold no
+    stored KV (``entry`` None), or they are a separator stored with its chunk and ``selector`` recomputes
+    separators (the selectors that rank by KV deviation)."""
+    return entry is None or (seg.kind == "separator" and selector.recomputes_separators)
 
 
 def _stored_rows(

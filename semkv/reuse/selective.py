@@ -5,10 +5,11 @@ Both paths pre-load reused KV into the cache rows (re-rotated to the new positio
 ``schedule`` it asks its :class:`~semkv.reuse.selection.base.RowSelector` to score the still-active
 reusable rows and keeps the best ``ratio`` of all reusable rows; ``forced`` rows (uncached tokens:
 question, template, separators not stored with their chunk, unmatched tokens) are always kept. Layers
-before the first scheduled layer recompute every row (layer 0 always does). Selectors that rank by the question's attention
-(``needs_probe``) get the scores of a :class:`QueryProbe` pass run just before. The probe, and a recompute
-whose rows are known before the forward (:meth:`SelectiveRecompute.preselect`), run through
-:func:`forward_fixed_rows`: only their rows, from layer 0 on, with ``forward_rows``' arithmetic.
+before the first scheduled layer recompute every row (layer 0 always does). Selectors that rank by the
+question's attention (``needs_probe``) get the scores of a :class:`QueryProbe` pass run just before.
+The probe, and a recompute whose rows are known before the forward
+(:meth:`SelectiveRecompute.preselect`), run through :func:`forward_fixed_rows`: only their rows, from
+layer 0 on, with ``forward_rows``' arithmetic.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Injected: chunks added with the option on (and off), then blends over them. Must
 the chunk's tokens then the separator's, holding the KV of one prefill of both after the sink; in a blend the
 separator rows get that entry's rows after the chunk's (ratio 0: loaded as they are), are reused rows, not
 forced ones (the query probe does not compute them; they count as cached), except for the selectors
-that rank by KV deviation, which recompute them as before (and the plan's reuse estimate leaves them out); ratio 1 is still full prefill; with the option off the separators stay forced; an entry stored one way is a miss for a request
-asking the other way.
+that rank by KV deviation, which recompute them as before (and the plan's reuse estimate leaves them out);
+ratio 1 is still full prefill; with the option off the separators stay forced; an entry stored one way is a
+miss for a request asking the other way.
 """
 
 from __future__ import annotations
