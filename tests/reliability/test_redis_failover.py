@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -44,6 +45,13 @@ def make_entry(writer: int, index: int) -> KVEntry:
 
 def same(a: KVEntry | None, b: KVEntry) -> bool:
     return a is not None and a.key == b.key and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def acknowledged_on(
+    pool: list[tuple[KVEntry, bool, float]], on_slots: Callable[[KVEntry], bool], limit: int = 200
+) -> list[KVEntry]:
+    """The first ``limit`` entries of a writer's ``pool`` whose write was acknowledged, on the given slots."""
+    return [e for e, acked, _ in pool if acked and on_slots(e)][:limit]
 
 
 def tier(url: str) -> RedisTier:
@@ -96,9 +104,14 @@ def test_killed_master_loses_no_acknowledged_entry(redis_cluster):
     for th in threads:
         th.start()
     try:
+        # entries acknowledged on the victim's slots before the kill (writes start unacknowledged while
+        # a loaded machine's replicas lag behind WAIT: wait for some rather than a fixed time)
+        deadline = time.monotonic() + 15.0
         time.sleep(1.0)
-        early = [e for e, acked, _ in written[0][:200] if acked and victim_slot(e)]
-        assert early and all(same(idle.get(e.key), e) for e in early)
+        while not (early := acknowledged_on(written[0], victim_slot)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert early, (len(written[0]), sum(acked for _, acked, _ in written[0]))
+        assert all(same(idle.get(e.key), e) for e in early)
         killed_at = time.monotonic()
         redis_cluster.kill(victim)
         assert idle.get(early[0].key) is None and idle.stats.outages == 1  # its breaker opens
