@@ -78,6 +78,7 @@ class MemoryTier:
         self._entries: OrderedDict[EntryKey, KVEntry] = OrderedDict()
         self._pins: dict[EntryKey, int] = {}
         self._bytes = 0
+        self._pinned_bytes = 0
         self._lock = threading.RLock()
 
     def get(self, key: EntryKey) -> KVEntry | None:
@@ -121,16 +122,25 @@ class MemoryTier:
             parent, seen = self._entries[parent].parent, seen + 1
 
     def _make_room(self, size: int) -> bool:
-        """Evict least-recently-used unpinned entries until ``size`` more bytes fit."""
+        """Evict least-recently-used unpinned entries until ``size`` more bytes fit.
+
+        Whether room can be made is known from the pinned bytes alone, and the LRU order is walked
+        only as far as the victims reach (plus any pinned entries in front of them), so a put into a
+        full tier costs the entries it evicts, not the entries it holds.
+        """
         if self._bytes + size <= self.budget_bytes:
             return True
-        evictable = [k for k in self._entries if self._pins.get(k, 0) == 0]
-        freeable = sum(self._entries[k].nbytes for k in evictable)
-        if self._bytes - freeable + size > self.budget_bytes:
+        if self._pinned_bytes + size > self.budget_bytes:
             return False
-        for key in evictable:
-            if self._bytes + size <= self.budget_bytes:
+        victims: list[EntryKey] = []
+        freed = 0
+        for key, entry in self._entries.items():
+            if self._bytes - freed + size <= self.budget_bytes:
                 break
+            if self._pins.get(key, 0) == 0:
+                victims.append(key)
+                freed += entry.nbytes
+        for key in victims:
             self._bytes -= self._entries.pop(key).nbytes
             self.stats.evictions += 1
         return True
@@ -148,7 +158,10 @@ class MemoryTier:
         with self._lock:
             if key not in self._entries:
                 return False
-            self._pins[key] = self._pins.get(key, 0) + 1
+            count = self._pins.get(key, 0)
+            if count == 0:
+                self._pinned_bytes += self._entries[key].nbytes
+            self._pins[key] = count + 1
             return True
 
     def unpin(self, key: EntryKey) -> None:
@@ -158,6 +171,7 @@ class MemoryTier:
                 raise ValueError(f"unpin of entry {key[:12]} that is not pinned")
             if count == 1:
                 del self._pins[key]
+                self._pinned_bytes -= self._entries[key].nbytes
             else:
                 self._pins[key] = count - 1
 
@@ -184,6 +198,7 @@ class MemoryTier:
             self._entries.clear()
             self._pins.clear()
             self._bytes = 0
+            self._pinned_bytes = 0
 
     def check_invariants(self) -> None:
         """Byte count matches the entries; pins only on resident entries; budget kept unless pinned."""
@@ -191,6 +206,7 @@ class MemoryTier:
             assert self._bytes == sum(e.nbytes for e in self._entries.values()), "byte count drifted"
             assert all(k in self._entries and c > 0 for k, c in self._pins.items()), "pin on a missing entry"
             pinned = sum(self._entries[k].nbytes for k in self._pins)
+            assert self._pinned_bytes == pinned, "pinned byte count drifted"
             assert self._bytes <= max(self.budget_bytes, pinned), "over budget"
             assert all(e.key == k for k, e in self._entries.items()), "entry under a foreign key"
 

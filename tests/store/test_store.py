@@ -179,6 +179,95 @@ def test_pinned_entries_are_never_evicted():
     tier.check_invariants()
 
 
+class CountingEntry(KVEntry):
+    """A KVEntry that counts how often its size is read (how many entries an operation looked at)."""
+
+    reads = 0
+
+    @property
+    def nbytes(self) -> int:
+        CountingEntry.reads += 1
+        return super().nbytes
+
+
+def counting_entry(i: int) -> CountingEntry:
+    base = entry([i, i + 1])
+    return CountingEntry(base.key, base.kind, base.fingerprint, base.token_ids, base.k, base.v)
+
+
+def test_put_into_a_full_tier_looks_at_the_victims_not_every_entry():
+    """A full tier of 300 entries: each further put evicts one entry and must not read the size of every
+    resident entry (the old code listed and summed all of them per put: O(entries) per write)."""
+    size = entry([1, 2]).nbytes
+    tier = MemoryTier(budget_bytes=300 * size)
+    for i in range(300):
+        assert tier.put(counting_entry(10 * i))
+    assert tier.pin(next(iter(tier.keys())))  # a pinned entry at the LRU front is stepped over
+    CountingEntry.reads = 0
+    for i in range(300, 350):
+        assert tier.put(counting_entry(10 * i))
+    assert tier.stats.evictions == 50 and len(list(tier.keys())) == 300
+    assert CountingEntry.reads <= 50 * 4, f"{CountingEntry.reads} size reads for 50 puts"
+    tier.check_invariants()
+
+
+def reference_put(order: list, sizes: dict, pins: dict, budget: int, key, size: int) -> bool:
+    """The plain LRU rule the tier must follow: evict the oldest unpinned entries until ``size`` fits;
+    refuse (evicting nothing) when even every unpinned entry would not make room."""
+    if key in sizes:
+        order.remove(key)
+        order.append(key)
+        return True
+    used = sum(sizes.values())
+    if size > budget:
+        return False
+    if used + size > budget:
+        evictable = [k for k in order if not pins.get(k)]
+        if used - sum(sizes[k] for k in evictable) + size > budget:
+            return False
+        for k in evictable:
+            if used + size <= budget:
+                break
+            order.remove(k)
+            used -= sizes.pop(k)
+    order.append(key)
+    sizes[key] = size
+    return True
+
+
+def test_memory_tier_matches_the_lru_rule_under_random_puts_gets_and_pins():
+    """600 seeded random puts (mixed sizes), gets, pins and unpins: the tier's keys, order and answers
+    equal a plain LRU model's after every operation, and its byte and pinned-byte counts stay exact."""
+    rng = torch.Generator().manual_seed(7)
+    pool = [entry(list(range(i, i + 1 + i % 4))) for i in range(0, 400, 10)]
+    tier = MemoryTier(budget_bytes=6 * entry([1, 2]).nbytes)
+    order: list = []
+    sizes: dict = {}
+    pins: dict = {}
+    refused = 0
+    for _ in range(600):
+        op, pick = (int(x) for x in torch.randint(0, 1000, (2,), generator=rng))
+        e = pool[pick % len(pool)]
+        if op % 10 < 3 and e.key in sizes:
+            assert tier.pin(e.key)
+            pins[e.key] = pins.get(e.key, 0) + 1
+        elif op % 10 == 3 and pins.get(e.key):
+            tier.unpin(e.key)
+            pins[e.key] -= 1
+        elif op % 10 == 4:
+            assert (tier.get(e.key) is not None) == (e.key in sizes)
+            if e.key in sizes:
+                order.remove(e.key)
+                order.append(e.key)
+        else:
+            admitted = tier.put(e)
+            assert admitted == reference_put(order, sizes, pins, tier.budget_bytes, e.key, e.nbytes)
+            refused += not admitted
+        assert list(tier.keys()) == order
+        tier.check_invariants()
+    assert refused > 0 and tier.stats.evictions > 0, (refused, tier.stats.evictions)  # both paths were taken
+
+
 def test_disk_tier_roundtrip_sweep_and_quarantine(tmp_path):
     tier = DiskTier(tmp_path)
     e = entry([3, 4, 5])
