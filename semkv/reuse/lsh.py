@@ -99,7 +99,11 @@ def positional_features(positions: Tensor, config: SimHashConfig) -> Tensor:
     """positions [T] -> unit-norm sinusoid features [T, position_features] (float32)."""
     half = config.position_features // 2
     wavelengths = torch.logspace(
-        math.log10(config.min_wavelength), math.log10(config.max_wavelength), half, dtype=torch.float64
+        math.log10(config.min_wavelength),
+        math.log10(config.max_wavelength),
+        half,
+        dtype=torch.float64,
+        device=positions.device,
     )
     angles = positions.to(torch.float64).unsqueeze(1) * (2 * math.pi / wavelengths).unsqueeze(0)
     feats = torch.cat([angles.sin(), angles.cos()], dim=1) / math.sqrt(half)
@@ -116,11 +120,13 @@ class TokenHasher:
         self.config = config
         self.hidden_size = hidden_size
         self.center = (
-            center.detach().float().reshape(hidden_size) if center is not None else torch.zeros(hidden_size)
+            center.detach().float().reshape(hidden_size)
+            if center is not None
+            else torch.zeros(hidden_size, device="cpu")
         )
-        generator = torch.Generator().manual_seed(config.seed)
+        generator = torch.Generator(device="cpu").manual_seed(config.seed)  # hashing runs on the host
         dim = hidden_size + config.position_features
-        self.planes = torch.randn(dim, config.total_bits, generator=generator)
+        self.planes = torch.randn(dim, config.total_bits, generator=generator, device="cpu")
 
     def vectors(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         """embeddings [T, H], positions [T] -> the hashed vectors [T, H + position_features]."""
@@ -141,13 +147,13 @@ class TokenHasher:
 def pack_bits(bits: Tensor, bits_per_table: int) -> Tensor:
     """bool [T, tables * bits] -> int64 [T, tables]."""
     t = bits.shape[0]
-    weights = 1 << torch.arange(bits_per_table, dtype=torch.int64)
+    weights = 1 << torch.arange(bits_per_table, dtype=torch.int64, device=bits.device)
     return (bits.view(t, -1, bits_per_table).to(torch.int64) * weights).sum(-1)
 
 
 def unpack_bits(signatures: Tensor, bits_per_table: int) -> Tensor:
     """int64 [T, tables] -> bool [T, tables * bits] (inverse of :func:`pack_bits`)."""
-    shifts = torch.arange(bits_per_table, dtype=torch.int64)
+    shifts = torch.arange(bits_per_table, dtype=torch.int64, device=signatures.device)
     return ((signatures.unsqueeze(-1) >> shifts) & 1).bool().reshape(signatures.shape[0], -1)
 
 
