@@ -17,8 +17,8 @@ import torch
 
 from semkv.engine import Engine
 from semkv.models.cache import KVCache
-from semkv.request import GenerateRequest
 from semkv.models.runtime import RowSource
+from semkv.request import GenerateRequest
 from semkv.reuse.blend import _stored_rows
 from semkv.reuse.selection.base import RowInfo
 from semkv.reuse.selection.registry import make_selector
