@@ -58,7 +58,7 @@ class TTFTFigure:
         )
 
     def label(self) -> str:
-        """The figure as printed beside its bar, e.g. ``4.20x [4.15, 4.24], n=300``."""
+        """The figure as printed beside its bar: speed-up, its interval when recorded, n, unit and date."""
         if self.interval:
             value = f"{self.speedup:.2f}x [{self.interval[0]:.2f}, {self.interval[1]:.2f}]"
         elif self.speedup_high:
