@@ -198,17 +198,18 @@ class EngineConfig:
         float32. Entries stored under one compute dtype are never served to another.
     block_size: tokens per prefix block.
     threads: torch intra-op threads; None leaves torch's default.
-    device: the torch device the model and its KV live on ("cpu", "cuda", "cuda:1", ...). Only "cpu"
-        is tested; CUDA is built for (CPU-only kernels sit behind a device check) but untested.
+    device: the torch device the model and its KV live on ("cpu", "cuda", "cuda:1", ...). "cpu" is
+        tested; cuda: not yet verified by ``semkv bench gpu`` (CPU-only kernels sit behind a device
+        check).
     scheduler: limits of continuous batching (``Engine.add_request`` / ``Engine.step``).
     pack_weights: keep a copy of every matrix packed once for oneDNN where the runtime computes in bf16 /
-        fp16 on CPU (:mod:`semkv.models.linear`): the same bits as without, decode 1.2-1.6x faster, but the
-        matrices' memory twice (+~270 MB SmolLM2, +~535 MB Gemma 3 270M). False: plain ``F.linear``.
+        fp16 on CPU (:mod:`semkv.models.linear`): the same bits as without and a faster decode, but the matrices'
+        memory twice. False: plain ``F.linear``.
     keep_freed_memory: on CPU, make the C allocator (glibc) keep the memory the process frees for its next
         allocations rather than unmapping big blocks and faulting them in again on every prefill
         (:mod:`semkv.host_memory`; process-wide, like ``threads``; the main thread's arena, which
         ``semkv serve`` makes every thread's by restarting with ``MALLOC_ARENA_MAX=1``): a fresh process's
-        first 4K prefills up to ~1.4x faster, at the price of the process keeping its peak heap.
+        first long prefills get faster, at the price of the process keeping its peak heap.
         False: glibc's defaults.
     """
 

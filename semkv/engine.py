@@ -315,7 +315,7 @@ class Engine:
             raise ValueError(f"the prefill is not complete: {job.remaining} prompt tokens left")
         outcome = job.outcome
         # a dense request's first token needs no block summaries: they are computed with the store after
-        # it (~45 ms of a ~0.5 s blend TTFT at 4K tokens on Gemma 3), or when a fork needs them
+        # it (a noticeable part of a blend's TTFT), or when a fork needs them
         blocks, summarise_s = self._summarise(job.cache, outcome, now=job.sparse is not None or job.capture)
         if job.sparse is not None:
             job.sparse.attach(blocks)

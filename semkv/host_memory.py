@@ -4,11 +4,9 @@ back to the operating system and faulting them in again.
 A prefill allocates and frees large temporaries on every layer (Gemma 3 270M at 4K tokens: its MLP's
 gate/up product alone is 4,096 x 4,096 bf16, 32 MiB). glibc serves any block above its mmap threshold
 (128 KiB at start, raised as the process frees such blocks, at most 32 MiB) with a fresh ``mmap`` and
-unmaps it on free, so every such temporary is page-faulted in, page by page, on every use. On this
-project's 2-core machine the first ten 4K full prefills of a fresh Gemma 3 process took 4.7-6.0 s (median
-per process, six processes) and 3.76-4.35 s with mmap off (four), about where a long-running process ends
-up by itself (its threshold raised); blend TTFT did not move. So a one-shot ``semkv generate`` paid up to
-~1.4x for it on its first prefills.
+unmaps it on free, so every such temporary is page-faulted in, page by page, on every use, until a
+long-running process has raised its threshold by itself: a fresh process's first long prefills are the
+slow ones (figures: docs/history/measurements.md, "Keeping freed memory").
 
 :func:`keep_freed_memory` sets, for the whole process: no mmap for allocations (``M_MMAP_MAX = 0``: every
 block comes from the heap), no trimming of the heap's top (``M_TRIM_THRESHOLD``), and a 64 MiB pad when the

@@ -1,11 +1,11 @@
 """Loop repair: an answer decoded from inexact reused KV that starts repeating itself is recomputed exactly.
 
-Why (measured). Blend and share reuse KV computed in another context; on our small models a decode step
+Why. Blend and share reuse KV computed in another context; on our small models a decode step
 now and then copies from a row whose reused KV misleads it, and the answer degenerates into a loop that
 full prefill never produces: HotpotQA test split, SmolLM2, 4K tokens, ``query`` at ratio 0.15: "Michele
 Marie Marie Marie Marie ..." where full prefill answers "Michele Marie Bachmann is ...", and "... of the
-International Community of the International Community of ..." (2 loops in 220 answers against full
-prefill's 0; ``deviation`` 0.15: "Google for Education, Google for Education,").
+International Community of the International Community of ..." (``deviation`` 0.15: "Google for
+Education, Google for Education,"); full prefill produced no such loop on the same questions.
 
 What happens. After every decode step of a sequence whose prefill was inexact, the generated tokens are
 checked for a repetition (:func:`find_repetition`: the answer ends in three or more copies of a pattern

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 PROFILE_DIR = "profiles"
-# the selector of profiles written before profiles recorded one (the blend default until issue 16)
+# the selector of profiles written before profiles recorded one (the blend default back then)
 LEGACY_BLEND_SELECTOR = "deviation"
 
 

@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "serve": "semkv.bench.serve",
     "redis-writes": "semkv.bench.redis_writes",
     "batching": "semkv.bench.batching",
+    "summary-plot": "semkv.bench.summary_plot",
 }
 
 

@@ -1,7 +1,7 @@
 """``semkv bench batching --long-prompt-tokens 7900``: a short request arriving while a long prompt is prefilled.
 
-Issue 15's target: the short request's TTFT <= 1.5 s with chunked prefill, against the whole long
-prefill without it. One server per configuration, each with a fresh home: chunked prefill with
+What it shows: the short request's TTFT with chunked prefill, against the whole long prefill without
+it. One server per configuration, each with a fresh home: chunked prefill with
 ``--max-batched-tokens`` = each of ``--chunk-sizes``, and ``--no-chunked-prefill``. On each, after the
 same warm-up, ``--repeats`` times: one streaming request with a prompt of ``--long-prompt-tokens``
 tokens (essays, a different cut each repeat, chat template applied by the server), then after

@@ -19,8 +19,8 @@ between the modes; then batching / no batching of output tokens/s. Plots next to
 
 Sizing: requests per point = max(``--requests``, 2 x clients), ``--requests 8 --max-tokens 32``
 gives 8/8/8/16/32 requests for 1/2/4/8/16 clients (72 per mode); with ``--threads 2`` (the servers'
-torch threads) the full sweep took 6.8 min on the 2-core dev machine, the two server starts included
-(the no-batching mode is most of it), which leaves room for ``--max-tokens 64`` within ~12 min.
+torch threads) the full sweep takes minutes on a 2-core machine, the two server starts included (the
+no-batching mode is most of it).
 """
 
 from __future__ import annotations

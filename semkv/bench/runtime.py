@@ -113,7 +113,7 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Weight-read bandwidth in GB/s as a decode step's matmuls see it: the median time of one bf16
     matrix-vector product over a matrix far larger than the caches, its weight packed as the runtime
     packs its own (:class:`~semkv.models.linear.Projection`; plain ``F.linear`` reorders the weight on
-    every call and measured ~2.7x lower here)."""
+    every call and reads far slower)."""
     width = 1024
     weight = torch.ones(megabytes * 2**20 // (2 * width), width, dtype=torch.bfloat16)
     product = Projection.make(weight)

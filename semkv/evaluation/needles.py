@@ -5,13 +5,11 @@ answer come from ``random.Random(seed)``. The prompt keeps the usual passkey pre
 (DESIGN.md: SmolLM2 solves far more cases with it) and ends with the answer's lead-in
 so the answer is the first few generated tokens.
 
-Calibrated so that dense SmolLM2-135M solves the task at 8K tokens (passkey cases at
-8K, depths 0.12-0.88, dense greedy decoding): with the chat template (question in the
-user turn) it solved 0 of the 3 cases tried — the instruct model answers with a
-definition of "pass key"; with the needle as its own paragraph and the lead-in opening
-the assistant turn, 2/6; as plain text with the needle inside a paragraph, 2/6; as
-plain text with the needle as its own paragraph, 5/6. So the needle is its own
-paragraph and the prompt is plain text, without the chat template (:func:`prompt_ids`).
+Calibrated so that dense SmolLM2-135M solves the task at 8K tokens: with the chat
+template (question in the user turn) the instruct model answers with a definition of
+"pass key", and a needle inside a paragraph is found less often than one standing alone.
+So the needle is its own paragraph and the prompt is plain text, without the chat
+template (:func:`prompt_ids`).
 """
 
 from __future__ import annotations

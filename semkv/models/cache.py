@@ -33,8 +33,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t.to(dtype)``. Between float16 and bfloat16 it goes through float32: the same bits (every value of
-    either type is a float32, so there is one rounding either way) and ~10x faster on CPU, where torch's
-    direct conversion took 2.0 ms per 786K elements against 0.16 ms (measured)."""
+    either type is a float32, so there is one rounding either way) and much faster on CPU than torch's
+    direct conversion."""
     if t.dtype != dtype and t.dtype in HALF_DTYPES and dtype in HALF_DTYPES:
         return t.float().to(dtype)
     return t.to(dtype)

@@ -10,10 +10,9 @@ Two families of kernels, chosen by the compute dtype:
   the split kernel (unmasked + band, merged by log-sum-exp) for scattered queries in position order,
   masked SDPA per query group otherwise;
 * bfloat16 / float16 on CPU: :func:`gemm_attention`, batched matmuls over groups of queries. torch's
-  CPU flash kernel gains nothing from bf16 (it computes in fp32: ~35 ms per layer at 2K tokens either
-  way) and its single-query path is ~10x slower in bf16 than in fp32; bf16 matmuls run 3-4x faster
-  than fp32 ones on CPUs with AVX512-BF16, so blocked matmul attention is ~2.3x faster at 2K and the
-  decode step's attention ~9x faster.
+  CPU flash kernel gains nothing from bf16 (it computes in fp32) and its single-query path is slower in
+  bf16 than in fp32, while bf16 matmuls run several times faster than fp32 ones on CPUs with
+  AVX512-BF16, so blocked matmul attention is the faster kernel there, for prefill and decode alike.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def attention(
         )
     gqa = q.shape[0] != k.shape[0]
     # 4-D inputs (a batch of one): on CPU only these reach the fused flash kernel; 3-D inputs fall
-    # back to the math path, which materialises the whole score matrix (~5x slower at 1K tokens).
+    # back to the math path, which materialises the whole score matrix (much slower).
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     if causal_prefix and (window is None or q.shape[1] <= window):
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -134,7 +133,7 @@ def _masked_attention(
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
-SPLIT_QUERY_ROWS = 64  # queries per group of the split kernel (measured best at 4K keys: 44-64)
+SPLIT_QUERY_ROWS = 64  # queries per group of the split kernel (the best group size on CPU)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -155,8 +154,8 @@ def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     """Attention of scattered queries in position order: per group of queries, the keys every
     query of the group sees go through the unmasked kernel and only the band of keys between
     the group's first and last position through a masked one; the two are merged by their
-    log-sum-exp. The masked kernel costs ~2x the unmasked one per (query, key) pair on CPU, and
-    this keeps masked pairs to ~1/groups of the work (selective recompute: ~1.3x faster).
+    log-sum-exp. The masked kernel costs more than the unmasked one per (query, key) pair on CPU, and
+    this keeps masked pairs to ~1/groups of the work.
 
     q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d].
     """
@@ -228,9 +227,7 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor
     return (out_a * w_a + out_b * w_b) / (w_a + w_b)
 
 
-GEMM_QUERY_ROWS = (
-    64  # queries per group of the matmul kernel (measured best at 2K keys: 64; 128: 1.25x slower)
-)
+GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (the best group size on CPU)
 GEMM_WINDOW_SPAN = 1.0  # on window layers, a query group spans fewer positions than this x the window
 GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of this many keys
 
@@ -255,7 +252,7 @@ def gemm_attention(
     dtype as in flash kernels), then probabilities @ v. The query heads of one KV head are folded into
     the rows of one matmul, so each key block is read once per KV head; one 2-D matmul per KV head
     (torch's CPU bf16 batched matmul copies strided operands, such as a key range of a cache buffer,
-    first: ~18% slower per layer at 2K and 8K tokens).
+    first, which is slower).
 
     q: [nh, Tq, d]; k, v: [kvh, Tk, d]; q_pos [Tq]; k_pos [Tk]; ordered: queries and keys are known to
     be in position order (None: check); plans: reuse the plan (query groups, key ranges, masks) made for
@@ -317,8 +314,8 @@ class GemmPlan:
 
 class GemmPlans:
     """:class:`GemmPlan` s of one forward, kept for the layers after the first that need them: every layer
-    attends the same query rows over the same keys (per window size), so the plan (~1 ms per window layer
-    for a blend's ~660 scattered rows at 4K keys, ~20 ms per blend on Gemma 3) is made once.
+    attends the same query rows over the same keys (per window size), so the plan (not free for a blend's
+    hundreds of scattered rows) is made once.
 
     A plan is found again only for the very same ``q_pos`` and ``k_pos`` tensor objects: it is keyed by
     their ids and holds them, so no other tensor can take those ids while it lives. The caller must not
@@ -343,8 +340,8 @@ def gemm_query_groups(q_pos: Tensor, window: int | None, ordered: bool) -> tuple
     """Query groups [starts[i], ends[i]) of at most :data:`GEMM_QUERY_ROWS` queries. On a window layer with
     queries in position order a group also ends before a query :data:`GEMM_WINDOW_SPAN` x window positions
     past its first: a group reads keys from its first query's window start to its last query, so scattered
-    queries (a blend's probe: the template and question rows over 4K positions) would otherwise
-    read every key on every window layer (Gemma 3, ~4K tokens: 27 of a probe's 76 ms)."""
+    queries (a blend's probe: the template and question rows over the whole prompt) would otherwise
+    read every key on every window layer."""
     tq = q_pos.shape[0]
     if window is None or not ordered:
         starts = list(range(0, tq, GEMM_QUERY_ROWS))
@@ -393,12 +390,11 @@ def _gemm_pieces(
 
 def _bucketed(lo: int, hi: int, tk: int) -> tuple[int, int]:
     """The key range [lo, hi) of ``tk`` keys widened to a multiple of :data:`GEMM_KEY_BUCKET` keys (past
-    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape
-    (~1 ms each on CPU); a window layer's groups of scattered rows (a blend's recompute) read a new
-    number of keys for nearly every group of every request (Gemma 3 at 4K: 64-72 compiles, ~50 ms per
-    blend), bucketed widths repeat across requests and come from its cache (28-36 compiles, 13-34 ms).
+    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape; a
+    window layer's groups of scattered rows (a blend's recompute) read a new number of keys for nearly
+    every group of every request, while bucketed widths repeat across requests and come from its cache.
     Only window layers: a global layer's groups of a blend end at the last key anyway (a width that
-    changes with the prompt), and widening its early groups bought nothing measurable (SmolLM2)."""
+    changes with the prompt), and widening its early groups bought nothing measurable."""
     width = min(tk, -(-(hi - lo) // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
     hi = min(tk, lo + width)
     return hi - width, hi
@@ -418,8 +414,8 @@ def _gemm_decode(
     """One (already scaled) query [nh, 1, d] over keys [kvh, Tk, d] -> [1, nh * d].
 
     Scores are formed as k @ q^T over the cache's key range as it is. Copying the key and value ranges
-    contiguous first is ~10% faster per layer at 2K keys (91 vs 101 us) but 8x slower at 8K (2.0 vs
-    0.26 ms; likely the fresh multi-MB buffer per layer and step).
+    contiguous first is slightly faster at short contexts but much slower at long ones (likely the fresh
+    multi-MB buffer per layer and step).
     """
     lo, hi = 0, k.shape[1]
     if ordered:
@@ -443,8 +439,8 @@ def decode_products(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Ten
 
     Contiguous keys give q @ k^T, whose scores come out contiguous; strided keys (a slice of a longer
     buffer, which torch's CPU batched matmul copies first either way) keep k @ q^T. The bias is added in
-    place to contiguous scores: adding [1, R] to the transposed k @ q^T took ~80 us per layer at 2K rows
-    (bf16), as long as the product itself."""
+    place to contiguous scores: adding [1, R] to the transposed k @ q^T cost about as much as the
+    product itself."""
     nh, _, d = q.shape
     kvh = k.shape[0]
     queries = q.view(kvh, nh // kvh, d)
@@ -472,7 +468,7 @@ def batched_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | Non
     The same computation as :func:`_gemm_decode` (scores, softmax, probabilities @ values), in one
     batched matmul per product for all sequences. torch's CPU batched matmul copies a strided operand
     (rows of a slot past W) before multiplying unless it is the left one of k @ q^T, so keys go on the
-    left when W is not the whole slot (bf16, 8 sequences x 830 keys: 190 vs 725 us).
+    left when W is not the whole slot (several times faster there).
     """
     n, nh, d = q.shape
     kvh, width = k.shape[1], k.shape[2]

@@ -2,20 +2,10 @@
 
 torch's CPU ``F.linear`` in bfloat16 hands the weight to oneDNN in its plain row-major layout, and oneDNN
 reorders it into its blocked layout on *every* call. For the few rows of a decode step that reorder is
-most of the call; for a blend's ~700 rows still a quarter. oneDNN's own entry points take a weight
-reordered once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's
+most of the call; for a blend's hundreds of rows still a good part of it. oneDNN's own entry points take
+a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what torch's
 inductor uses for CPU linears) and give the very same bits as ``F.linear`` (the same kernel, minus the
-reorder). Measured on this project's 2-core AVX512-BF16 machine, bf16, one [out, in] matrix:
-
-====================  =========  =========  ==========
-shape (in -> out)     rows       F.linear   packed
-====================  =========  =========  ==========
-576 -> 3072           1          0.144 ms   0.053 ms
-576 -> 3072           8          0.171 ms   0.068 ms
-576 -> 3072           700        4.82 ms    3.70 ms
-576 -> 3072           4096       19.2 ms    18.3 ms
-640 -> 262144 (head)  1          24.0 ms    9.0 ms
-====================  =========  =========  ==========
+reorder); the per-shape timings are in docs/history/measurements.md ("Packed weights").
 
 The packed copy is an opaque oneDNN tensor held next to the plain weight (which the model's modules and
 the tests still read), so packing doubles the memory of the matrices it packs. Elsewhere (float32, GPUs,

@@ -52,26 +52,21 @@ class BlendConfig:
         None (default) = the selector's own: 1 for selectors that rank by KV deviation (layer 0's KV
         depends on the token alone, so they need layer 1), 0 for the others (their ranking is known
         before the forward, and a cached row's layer-0 KV equals its reused KV, so running layer 0 on
-        it is wasted). Later costs more: with deviation, TTFT speed-up 3.98x / 3.75x / 3.02x / 2.36x
-        at layers 1 / 2 / 4 / 7 (2.2K tokens, ratio 0.15); first-token KL to full prefill 0.132 /
-        0.140 / 0.142 / 0.138 (10 questions, 4 essay chunks). query at layer 0 vs 1 (HotpotQA dev,
-        16 questions, ~4K tokens, ratio 0.15): KL 0.036 vs 0.039 (SmolLM2), 0.076 vs 0.072 (Gemma 3).
+        it is wasted). A later check layer costs time (every layer before it recomputes every token)
+        and did not bring the blend closer to full prefill (docs/history/measurements.md).
     gradual: the paper's gradual filtering: keep 2r at the check layer, 1.5r at the next,
-        r from the one after (each step picks from the survivors by their new score).
-        Measured (deviation): KL 0.136 vs 0.132 at ~the same TTFT.
+        r from the one after (each step picks from the survivors by their new score). Off by default:
+        it was no closer to full prefill than one selection.
     sink: how chunks are precomputed (see the module docstring): after BOS (default), after
         the default chat-template prefix, or alone.
     separator_in_chunk: a chunk is precomputed and stored with the separator that follows it in every
         prompt (:data:`semkv.prompt.CHUNK_SEPARATOR`), so the separators' KV is reused (and ranked for
         recompute) like the chunk's own tokens; off, the separators are uncached rows, computed in the
-        probe and recomputed at every layer like the question. Measured (HotpotQA dev, 16 questions,
-        ~4K tokens, ~30 chunks, query 0.15, in one process, the two ways alternating per question; on -
-        off): TTFT -0.158 s [-0.225, -0.091] (SmolLM2, -7.5%: 25 fewer recomputed rows, 30 fewer probe
-        rows), -0.099 s [-0.122, -0.077] (Gemma 3, -9%); first-token KL to full prefill -0.012 [-0.028,
-        +0.005] and -0.005 [-0.010, -0.001]; the same answers' F1. So it is on by default (test split,
-        60 / 40 questions: 1.09x / 1.08x faster, KL +0.001 / +0.001, inside noise). Selectors that rank by
-        KV deviation recompute the separators either way (``RowSelector.recomputes_separators``): reused,
-        they cost Gemma 3 KL +0.010 [+0.000, +0.020] on the test split.
+        probe and recomputed at every layer like the question. On by default: fewer rows to probe and
+        recompute, so a shorter TTFT, with no loss against full prefill (docs/history/measurements.md,
+        "Separators stored with their chunk"). Selectors that rank by KV deviation recompute the
+        separators either way (``RowSelector.recomputes_separators``): reused, they moved those
+        selectors further from full prefill.
     """
 
     recompute_ratio: float = 0.15
@@ -123,9 +118,8 @@ class ShareConfig:
     min_tokens: prompts shorter than this are neither remembered nor served by sharing.
     min_similarity: the index's estimated Jaccard similarity (token bigram sets) a reference needs.
     min_match_rate: share of the new prompt's tokens matched in aligned runs a reference needs. 0.6
-        is set from ``semkv bench share`` on SmolLM2 (2 papers, 3K-3.5K tokens): with the defaults,
-        quality held down to aligned rate 0.58 (first-token KL <= 0.034) but the speed-up fell to
-        1.9x there, so below 0.6 sharing is refused as not worth it.
+        is set from ``semkv bench share`` on SmolLM2: below it quality still held but the speed-up over
+        full prefill fell under 2x, so sharing is refused there as not worth it.
     min_token_similarity: bit agreement a signature match needs (step 3 of the matching).
     min_aligned_after_prefix: aligned tokens needed after the leading run identical to the reference;
         fewer means exact prefix reuse does (nearly) as well, exactly, and share is refused.
@@ -138,8 +132,8 @@ class ShareConfig:
     scattered: what to do with tokens matched outside an aligned run (same id elsewhere, or by
         signature): "reuse" their matched KV like the paper (and let the deviation check pick them),
         or "recompute" them like unmatched tokens (their reused KV comes from another context). The
-        default recomputes: on SmolLM2 reusing them cost far more quality (first-token KL 0.3 vs
-        0.001 on a 3.5K-token paper with 10% of sentences edited) than recomputing them costs time.
+        default recomputes: on SmolLM2 reusing them cost far more quality (first-token KL to full
+        prefill) than recomputing them costs time.
     recompute_last: the prompt's last tokens (the generation prompt) are always recomputed: an aligned
         match there (the chat template's closing tokens) reuses KV computed after other text, and the
         next-token distribution depends on these tokens most.
@@ -148,9 +142,8 @@ class ShareConfig:
     min_new_fraction: an exactly prefilled prompt is remembered (its whole KV stored and indexed) only
         if at least this share of it was computed, not loaded as a stored exact prefix. A prompt that
         only extends a stored one (a chat follow-up, one more question on the same document) adds
-        little to share from: a prompt like it shares the prefix's owner or hits the prefix blocks.
-        Storing it cost more than its prefill: 0.27 s against 0.14 s for a 1.5K-token prompt with a
-        20-token new tail (SmolLM2, 2 threads, memory + disk tiers). 0 remembers every prompt.
+        little to share from: a prompt like it shares the prefix's owner or hits the prefix blocks, and
+        storing it would cost more than its prefill did. 0 remembers every prompt.
     """
 
     min_tokens: int = 64

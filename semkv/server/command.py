@@ -226,7 +226,7 @@ def on_a_thread_of_its_own(build: Callable[[], T]) -> T:
 
     The model's start-up work (loading, converting) runs torch parallel regions; on the main thread they
     would leave an OpenMP worker pool alive for the server's whole life beside the engine thread's, and
-    two live pools on a 2-core machine slow every decode step by ~1.5x (see
+    two live pools on a small machine slow every decode step (see
     :mod:`semkv.server.worker`). A pool dies with its thread."""
     box: dict[str, Any] = {}
 

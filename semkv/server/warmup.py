@@ -1,17 +1,17 @@
 """A warm-up request when the server starts, so that its first user does not pay the process's one-time costs.
 
-A fresh ``semkv serve`` answered its first ~4K-token request in 5.3-10.7 s against ~4.0-4.9 s for the next
-ones (Gemma 3 270M, 2 threads, twelve fresh servers): the one-time work of a process's first request
+A fresh ``semkv serve`` answered its first long request much more slowly than the next ones: the one-time
+work of a process's first request
 (kernel set-up for each new matrix shape, the heap growing to its working size, the engine thread's thread
 pool, the store's and the reuse paths' first use). :func:`warm_up` runs one request of a synthetic prompt
 through the engine's scheduler (``add_request`` / ``step``: chunked prefill, decode, sampling, storing its
 prompt, as a real request) before the server takes traffic. Its KV is stored under its own cache salt
 (:data:`WARMUP_REQUEST_ID`, default tenant): a client's lookups find it only by sending that salt, and then
 find only the synthetic sentence (with API keys, no tenant's namespace is the default one); it takes ~600
-tokens of KV in the store (~11-14 MB for the embedded models), the same entries on every start. On a
+tokens of KV in the store, the same entries on every start. On a
 restart over the same disk tier the warm-up finds its prompt there (a prefix hit: it then warms the store's
 read path more than the model). A warm-up with nothing stored and full prefill only (``reuse="none"``,
-``store_prompt=False``) did not help: first requests 6.0-8.5 s after it. Its writes reach every tier of the
+``store_prompt=False``) did not help (docs/history/measurements.md). Its writes reach every tier of the
 store, Redis included, and show in the store's counters in ``/metrics``; its request and steps do not (they
 run inside an engine-loop job, not the loop's own steps). ``--warmup-tokens 0`` turns it off.
 """

@@ -10,8 +10,8 @@ The engine thread is the only thread that runs the model after start-up: other m
 an uploaded document's KV) goes to it with :meth:`EngineLoop.run_job` and runs between steps. Torch's
 OpenMP keeps a pool of worker threads per thread that ran a parallel region; once two such pools live on
 a 2-core machine (the event loop's thread pool having run one prefill), every later parallel region
-wakes its workers slowly: a decode step of 8 sequences went from 38 ms to 60 ms (measured; see
-``semkv serve``, which also builds the engine on a thread that ends, for the same reason).
+wakes its workers slowly and every decode step gets slower (see ``semkv serve``, which also builds the
+engine on a thread that ends, for the same reason).
 """
 
 from __future__ import annotations

@@ -43,21 +43,15 @@ class SparseConfig:
     window_tokens: at least this many latest tokens always attended (rounded out to a block edge).
     resident_factor: fast-tier capacity in multiples of the largest budget (room for the
         residency hint to keep unselected blocks). 1 by default: on CPU a decode step reads the fast
-        tier's whole buffer (its unused and hidden slots masked), so spare slots cost reads every step;
-        measured (SmolLM2, bf16, 10% budget, one RULER case, one process, 4 alternating rounds of 64
-        steps, steady medians) factor 1 against 2: keykey 21.7 / 22.4 ms per step at 8K and 20.5 / 20.2
-        at 4K, probe 22.5 / 23.0 and 20.3 / 20.9 ms; the same attended rows, so the same tokens. A device
-        tier that copies blocks in from host memory may want 2 (untested: no GPU so far).
+        tier's whole buffer (its unused and hidden slots masked), so spare slots cost reads every step,
+        and a factor of 2 was no faster (docs/benchmarks.md). A device tier that copies blocks in from
+        host memory may want 2 (cuda: not yet verified by ``semkv bench gpu``).
     record_queries: keep each step's per-layer query (for oracle overlap, measured afterwards).
     dense_when_covered: a budget covering every candidate attends to the cache directly (exact);
         False still goes through the fast tier (tests use it to check the gather path).
-    dense_layers: layers that attend to every row (no selection). Measured with the probe at 10% on RULER
-        at 4K (SmolLM2, ``semkv bench sparse --suite ruler --policies probe+dense0,1``): Quest's first two
-        layers dense gave dev +0.4 and test -1.3 [-3.0, +0.5] against the probe alone (130 cases), so
-        no default; SmolLM2's first layers attend broadly but a 10% subset gives a close average. Layers
-        3-10 (where the probe's choice keeps half the attention mass the per-layer oracle keeps): dev +5.4
-        vs the probe (39 cases), test +1.8 [-2.9, +6.5] (65 cases), at 1.06x dense's step at 8K against
-        the probe's 1.15x: no default either.
+    dense_layers: layers that attend to every row (no selection). Empty by default: neither the first
+        layers nor the probe's weak middle layers made dense gained beyond noise on RULER
+        (docs/history/measurements.md).
     layer_windows: per layer, its sliding window (None: a global layer); window layers attend to the
         rows of their window only, sliced from the cache (the engine fills this from the model).
     reselect_every: score and choose blocks at most every this many steps: the steps between reuse the
@@ -65,11 +59,9 @@ class SparseConfig:
         local window leaves, or a budget grown by a block, brings a new choice at once), so neither
         scoring nor copying into the fast tier runs on them. 1: choose every step (the policies' own
         definition). TokenSelect's selection cache reuses a choice while consecutive queries are alike;
-        this is a fixed-period form of it. 4 by default, chosen on RULER 8K dev (SmolLM2, 10% budget, 39
-        cases: keykey every 4th step +2.7 [-5.9, +11.3] points vs every step); on two test samples pooled
-        (78 cases) -1.8 [-4.9, +1.3] vs every step (every 2nd step: -0.7 [-3.4, +2.0]). Keykey's
-        selection ~3% -> <1% of a step and 32-token answers at 8K 1.28-1.30x -> 1.37-1.47x dense end to
-        end in the same runs (README, "Choosing every 4th step"). A request sets it with
+        this is a fixed-period form of it. 4 by default, chosen on RULER's dev split: it cuts the
+        selection's share of a step several-fold at a quality cost not separated from zero
+        (docs/benchmarks.md, "Sparse decode"). A request sets it with
         ``GenerateRequest.sparse_reselect_every``.
     """
 

@@ -26,7 +26,7 @@ current query (below).
 ``exact_layers`` gives chosen layers their own selection, scored with their own current query just before
 they attend; the selecting layers between them keep one shared choice per contiguous run (chosen at the
 run's first layer). On SmolLM2 layers 3-10 attend most selectively: there the once-per-step choice keeps
-half the attention mass a per-layer choice keeps (issue 17). ``exact_keys`` scores those layers by the
+half the attention mass a per-layer choice keeps. ``exact_keys`` scores those layers by the
 exact attention of the current query over every cached key instead of the blocks' mean keys.
 
 ``rescore`` checks the mean-key ranking exactly, at any layer group: the blocks' mean keys shortlist
@@ -104,8 +104,8 @@ def head_block_mass(
 
 
 class ScratchBuffers:
-    """Named buffers reused from step to step (grown by a quarter when too small). At 8K tokens a fresh
-    buffer for rescore's ~60 MB of gathered keys every step cost more in page faults than the work."""
+    """Named buffers reused from step to step (grown by a quarter when too small). At long contexts a
+    fresh buffer for rescore's gathered keys every step cost more in page faults than the work."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
@@ -140,7 +140,7 @@ def shortlist_block_mass(
     for i, layer in enumerate(layers):
         source = cache.keys(layer)
         keys = buffers.take("keys", (kvh, total, d), source.dtype, rows.device)
-        for head in range(kvh):  # a head's rows are contiguous: 4.3 ms against 6 ms for one strided gather
+        for head in range(kvh):  # a head's rows are contiguous: faster than one strided gather
             torch.index_select(source[head], 0, rows, out=keys[head])
         if keys.dtype != torch.float32:
             keys = buffers.take("keys32", (kvh, total, d), torch.float32, rows.device).copy_(keys)
@@ -185,46 +185,31 @@ class ProbePolicy(SparsePolicy):
     chunk_keep: 0 scores every candidate block; k > 0 first scores chunks of CHUNK_BLOCKS blocks (their
         write-time mean keys) and then only the blocks of the best ``k x budget / CHUNK_BLOCKS`` chunks.
     successors: a block's score is at least this share of its predecessor's (0: off): text is read
-        forward, so the block after one that is attended is likely next (a number split by a boundary).
-        On RULER dev at 4K (SmolLM2, 10%, 39 cases) 0.5 scored +0.3 vs dense against -2.6 without (a
-        number cut by a block boundary was copied up to the boundary, e.g. "475948" of "4759486"), but
-        on test (65 cases) -8.4 against -7.0: not a default (``semkv bench sparse --suite ruler``).
+        forward, so the block after one that is attended is likely next (a number split by a boundary,
+        copied only up to the boundary, e.g. "475948" of "4759486"). It helped on RULER's dev split but
+        not on its test split: not a default (``semkv bench sparse --suite ruler``).
     exact_layers: layers that choose alone, with their own current query, before they attend; the other
         selecting layers form contiguous runs between them (each split as ``groups`` splits the layers),
         each run choosing at its first layer. Layers that do not select (dense or window layers) are
-        ignored; a layer the model does not have is refused when decoding starts.
-        RULER at 4K (SmolLM2, 10%, ``--policies "probe:exact_layers=(3,4,5,6,7,8,9,10)"``): dev (39 cases)
-        +3.7 vs the probe, +1.1 vs dense; test (130 cases) -0.2 [-2.8, +2.4] vs the probe, -6.4
-        [-10.8, -2.0] vs dense (with exact_keys: dev +4.6, test -1.4 [-4.0, +1.2] vs the probe). The right
-        blocks at layers 3-10 do not recover the loss on test: no default.
+        ignored; a layer the model does not have is refused when decoding starts. SmolLM2's layers 3-10
+        given their own selection did not recover the probe's loss on RULER's test split: no default.
     exact_keys: score ``exact_layers`` by their current query's exact attention over every cached key
         (per block, heads aggregated by ``head_agg``) instead of the blocks' mean keys: the per-layer
-        oracle for those layers, at the cost of one attention score row per layer. Every layer exact on
-        RULER dev at 4K (SmolLM2, 10%, 39 cases): with exact_keys +1.5 [-0.6, +3.7] vs dense, with mean
-        keys -6.1 [-13.8, +1.7]; the per-layer oracle on test (65 cases) -2.1 [-7.4, +3.3] vs dense, the
-        probe -7.0: one layer's mean-key estimate is what loses, not the budget.
+        oracle for those layers, at the cost of one attention score row per layer. With every layer exact
+        the loss to dense mostly disappears on RULER, so one mean key per block as the estimate is what
+        loses, not the budget.
     rescore: 0 (off), or >= 1: the step scores shortlist the best ``ceil(rescore x budget)`` candidates
         besides the question's reserved ones; the budget is then filled from the shortlist by the exact
         attention of the same queries over the shortlisted blocks' keys, the sink and the window (per
         layer, per head the share of each block, heads aggregated by ``head_agg``, layers averaged). A
         block whose mean key is unremarkable but that holds one key the query aligns with (a needle) is
-        ranked by that key. Layers scored with ``exact_keys`` are exact already and skip it.
-        RULER at 4K (SmolLM2, 10%, paired, same prefilled cache; ``--policies "probe:rescore=3"``): dev
-        (39 cases) rescore 2 / 3 / 4 +1.2 / -0.8 / +1.9 vs dense (the probe -2.7), every layer its own
-        selection (``exact_layers`` all, rescore 3) +4.1 [-3.8, +12.0]; test (130 cases) rescore 3 -3.5
-        [-8.0, +1.0] vs dense and +2.6 [-1.3, +6.6] vs the probe, every layer with rescore 3 -1.9
-        [-6.3, +2.5] vs dense and +4.3 [-0.1, +8.6] vs the probe (the probe -6.2 [-11.0, -1.4]). At 8K
-        (78 test cases, 6 per task): -0.7 [-4.9, +3.6] vs dense, the probe -6.7. Cost at 8K (2 threads,
-        exclusive, ``--e2e``, three runs): a step costs 0.87-1.05x dense's (selection 28-29% of it), since the keys
+        ranked by that key. Layers scored with ``exact_keys`` are exact already and skip it. The keys
         are gathered, converted and scored one layer at a time in buffers kept across steps
-        (``shortlist_block_mass``; the same tokens on all 78 cases); before, with a fresh float32 buffer
-        for every layer's keys each step, 0.78-0.83x (selection 38-46%). Since dense decode reads whole
-        contiguous cache buffers (1.36x faster at 8K), 0.82-0.94x. Not a default: it closes the quality
-        gap at about dense's speed, not faster.
+        (``shortlist_block_mass``). Not a default: on RULER it closes most of the probe's quality gap to
+        dense, but at about dense's speed, not faster (docs/benchmarks.md, "Sparse decode").
     rescore_stride: rescore with every ``rescore_stride``-th layer of a group (its first, the one whose query
-        is this step's, always): the exact scores read the shortlist's keys of those layers only. RULER
-        at 8K (the same 78 cases, rescore 3): stride 2 -1.5 [-3.2, -0.1] and stride 4 -2.4 [-5.2, -0.4]
-        vs stride 1 (the same tokens in 52 / 47 of 78).
+        is this step's, always): the exact scores read the shortlist's keys of those layers only. Strides
+        of 2 and 4 were faster but lost RULER points against every layer, so the default is 1.
     keep_steps: steps a selected block stays resident after it was last selected.
     """
 

@@ -166,8 +166,8 @@ class FastTier:
         with the mask of the hidden rows when ``mask_known`` (the caller knows every cache row precedes
         the new token, so exactly the hidden rows are masked). The rows are the layer's whole buffer, the
         unused hot rows hidden like the others: a contiguous [kvh, rows, d] operand, which torch's CPU
-        batched matmul reads as it is, where a leading slice of it is copied first (bf16 at 8K, 30 layers x
-        ~870 rows: two ~25-50 us copies per layer and step)."""
+        batched matmul reads as it is, where a leading slice of it is copied first (two copies per layer
+        and step)."""
         begin = self.slot_rows + self.sink_rows
         start, end = self._window_start, self._window_start + self.used_hot - self.sink_rows
         have = self._copied[layer]

@@ -1,15 +1,14 @@
 """Write-behind for the tiers below memory: their writes run on one background thread.
 
 A disk write of an entry encodes it (safetensors + sha256), writes a temp file, fsyncs it, renames it
-and fsyncs the folder; a Redis write sends it and may wait for replicas. Measured on this project's
-2-core machine: storing a 1.5K-token prompt's 96 prefix blocks takes ~190 ms (encode ~75, file writes
-and fsyncs ~115), a 1.5K-token share entry ~200 ms. Written through on the engine thread, that time
-stalls every running stream. :class:`TierWriter` takes the entry instead and writes it to the lower
+and fsyncs the folder; a Redis write sends it and may wait for replicas. For a long prompt's blocks
+and share entry that is a large part of a prefill's time. Written through on the engine thread, that
+time stalls every running stream. :class:`TierWriter` takes the entry instead and writes it to the lower
 tiers in the background, in submission order; until it is written, the store serves it from
 :meth:`TierWriter.pending`, so a reader never misses an entry it was told is stored.
 
 The thread does no torch arithmetic (encoding reads tensor memory through pointers), so it never opens
-a second OpenMP team beside the engine's (two teams on 2 cores slowed every later step ~1.45x).
+a second OpenMP team beside the engine's (two teams on a small machine slow every later step).
 Entries whose tensors are not contiguous are made contiguous on the caller's thread before queueing.
 
 Bounded: at most ``max_pending_bytes`` of entries wait; a put beyond that waits for room (counted in

@@ -22,7 +22,7 @@ def check_deviation_on(value: object) -> str:
 @dataclass(frozen=True)
 class DeviationSelector(RowSelector):
     """on: compare keys ("k", LMCache v1; the default), values ("v", the paper's code) or both ("kv").
-    Measured at ratio 0.15 (essays, 4 chunks; first-token KL to full prefill): k 0.132, v 0.136, kv 0.133."""
+    The three were about as close to full prefill (docs/history/measurements.md)."""
 
     name: ClassVar[str] = "deviation"
     uses_deviation: ClassVar[bool] = True

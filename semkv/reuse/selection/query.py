@@ -38,15 +38,14 @@ class QuerySelector(RowSelector):
     """layers: the probe layers whose question attention is summed; None = every layer from 1 up to
     ``depth`` x the model's layers. Indices past the last layer and sliding-window layers are left out
     (if that leaves none: the first global layer).
-    depth: used when ``layers`` is None, in (0, 1]. Measured (HotpotQA dev, 16 questions, ~4K tokens,
-    ratio 0.15, first-token KL to full prefill): depth 1.0 / 0.5: 0.026 / 0.036 (SmolLM2), 0.042 /
-    0.076 (Gemma 3, whose global layers are 5, 11 and 17: 0.5 probes layer 5 alone).
+    depth: used when ``layers`` is None, in (0, 1]. 1.0 by default: probing fewer layers is cheaper but
+    left the blend further from full prefill on the dev split (on Gemma 3, whose global layers are 5, 11
+    and 17, 0.5 probes layer 5 alone).
     keep_probe_rows: the uncached rows other than the question (template rest, the separators between
     chunks) keep the KV the probe computed for them, over the chunks' reused KV, instead of being
-    recomputed over the refreshed rows (only when the probe ran through the last layer). Saves ~70 ms of
-    a ~1 s TTFT (SmolLM2, ~4K tokens, 31 separators) but doubles the first-token KL to full prefill
-    (HotpotQA dev, 16 questions, ratio 0.15: 0.158 on vs 0.085 off, SmolLM2; keeping the question's
-    rows but its last 8 too: 0.233), so it is off by default: the separators matter."""
+    recomputed over the refreshed rows (only when the probe ran through the last layer). It saves a
+    little TTFT but took the blend much further from full prefill on the dev split, so it is off by
+    default: the separators matter."""
 
     name: ClassVar[str] = "query"
     needs_probe: ClassVar[bool] = True
