@@ -186,9 +186,8 @@ class WholeBuffers(NamedTuple):
 
 SHARED_BATCH_MIN = 2  # dense in-order sequences in a decode step for them to share one attention call
 # A dense sequence longer than this many times the median length of a step's dense sequences decodes on its
-# own: in the shared call every slot is read up to the longest member, so two 2.1K-token prompts among
-# fourteen of ~800 tokens made a step of 16 cost 1.70x a step of 16 short ones; 1.25x with this rule
-# (measured, bf16, 2 threads).
+# own: in the shared call every slot is read up to the longest member, so a few long prompts among many
+# short ones would make every member pay for the longest (docs/benchmarks.md, batching).
 STRAGGLER_LENGTH = 2.0
 
 
@@ -526,8 +525,7 @@ class Runtime:
         None (over its valid rows).
 
         torch's CPU batched matmul copies an operand that is a leading slice of a buffer ([kvh, length, d]
-        of [kvh, rows, d]) before multiplying, and reads a whole contiguous buffer as it is (bf16,
-        [3, 7800 of 8192, 64]: keys 257 vs 189 us, values 176 vs 100 us with the copy and without). So on
+        of [kvh, rows, d]) before multiplying, and reads a whole contiguous buffer as it is. So on
         CPU in bf16 / fp16, when every row precedes the new one (``ordered``: positions in order, the new
         row last) and the padding is at most a quarter of the rows, the whole buffer is read with the rows
         past the length masked (finite: :meth:`KVCache.reserve` zeroes them; an arena slot's are zeros or
@@ -838,8 +836,7 @@ class DecodePass:
         lengths = [caches[i].length for i in members]
         longest = max(lengths)
         # A whole slot is one contiguous matrix per head, which the matmul reads without a copy: worth
-        # up to ~1.25x padded rows (bf16, 8 sequences x 835 keys, 30 layers of cold buffers: 17.0 ms
-        # over whole 896-row slots, 20.1 ms over the 835 rows of each).
+        # reading up to a quarter more (padded) rows for.
         width = self.runtime.arena.capacity if 4 * self.runtime.arena.capacity <= 5 * longest else longest
         pick = torch.tensor(slots, device=self.runtime.device) - lo
         seen = torch.full((hi - lo,), width, dtype=torch.long, device=self.runtime.device)

@@ -15,16 +15,15 @@ Chunk precompute
     by default (``sink="bos"``) a chunk is computed after the BOS token (SmolLM2:
     ``<|im_start|>``), whose KV is then dropped; ``"template"`` computes it after the
     model's default chat-template prefix (system turn + user header); ``"none"`` alone.
-    Measured (``semkv bench blend``, 4 chunks x 512 tokens, 6 questions, first-token KL
-    to full prefill): ratio 0: bos 0.15, none 0.49; ratio 0.15: bos 0.09, none 0.08,
-    template 0.25 — so "bos" is the default. The sink tokens' digest is kept in the
+    ``"bos"`` is the default: it gave the lowest first-token KL to full prefill at ratio 0
+    (``docs/benchmarks.md``). The sink tokens' digest is kept in the
     entry's metadata and checked on every hit: a chunk made with another sink is a miss
     (and is replaced when recomputed).
 
 Prefill (the blend)
     1. the longest exact prefix hit (``reuse/prefix.py``) is loaded as exact prefix reuse,
        never blended (it usually covers the template, sometimes the first chunk(s));
-    2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_rows`
+    2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_pieces`
        re-applies RoPE to the stored pre-RoPE keys: exact);
     3. the uncached rows (template rest, body, suffix, chunks not stored) are appended and always
        recomputed (``forced``). A chunk is stored with the separator that follows it in every prompt
@@ -42,8 +41,7 @@ Prefill (the blend)
        (APE-style, :class:`~semkv.reuse.selection.base.ContextScaling`). The probe, and a recompute whose
        rows are known before the forward (check layer 0, a selector that does not use deviation), run
        only their rows from layer 0 on (:func:`~semkv.reuse.selective.forward_fixed_rows`): the same
-       logits, without every row's layer-0 projections and the per-layer gathers (HotpotQA dev, ~4K
-       tokens, SmolLM2: query@0.15 TTFT 3.46x -> 3.75x full prefill's; Gemma 3: 3.38x -> 4.48x).
+       logits, without every row's layer-0 projections and the per-layer gathers.
 
 The outcome is never exact (``exact=False``): blended KV is never stored as prefix
 blocks. After the first token, the exact rows before the first reused chunk row are
