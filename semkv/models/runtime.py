@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from semkv.models.adapters import (
@@ -267,6 +268,9 @@ class Runtime:
         self.compute_dtype = compute_dtype
         self.device = next(adapter.hf_model.parameters()).device
         self.arena: DecodeArena | None = None  # slots of the caches decoding together (decode_batch)
+        # decode attention with masks built once per step, before the layers (no host read in the layer
+        # loop); the CPU keeps its kernels, which read positions on the host where that is cheap
+        self.sync_free_decode = self.device.type != "cpu"
         self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live caches made here
 
     def track(self, cache: KVCache) -> KVCache:
@@ -727,6 +731,7 @@ class DecodePass:
         self.ordered = [cache.ordered() for cache in caches]  # once per step, not per layer
         self.shared = self._shared_step(caches, self.slots, gatherers, self.ordered, kv_limit)
         self.members = set(self.shared.member_list) if self.shared is not None else set()
+        self.biases: dict[tuple[int, int | None], Tensor] = {}  # (sequence, window) -> mask of this step
         self.whole = [  # the arena's members attend together (or, on window layers, over their window)
             None if i in self.members else runtime.whole_buffers(cache, self.ordered[i])
             for i, cache in enumerate(caches)
@@ -772,6 +777,8 @@ class DecodePass:
         span = self.whole[i]
         if span is not None and a.window(layer) is None and span.fits(cache, layer):
             return decode_products(q_rot * a.scaling(layer), cache.k_rot[layer], cache.v[layer], span.bias)
+        if self.runtime.sync_free_decode:
+            return self._masked_attention(layer, i, q_rot)
         return attention(
             q_rot,
             cache.keys(layer),
@@ -782,6 +789,32 @@ class DecodePass:
             a.window(layer),
             ordered=self.ordered[i],
         )
+
+    def _masked_attention(self, layer: int, i: int, q_rot: Tensor) -> Tensor:
+        """Attention [1, nh * d] of sequence ``i``'s new row over its own cache through torch's fused kernel,
+        with the additive mask [1, 1, 1, T] of its positions for this layer's window, built once per step
+        and window on the device (nothing read back to the host)."""
+        a, cache = self.runtime.adapter, self.caches[i]
+        window = a.window(layer)
+        bias = self.biases.get((i, window))
+        if bias is None:
+            q_pos, k_pos = self.q_pos[i : i + 1], self.k_pos[i]
+            hidden = k_pos > q_pos
+            if window is not None:
+                hidden |= q_pos - k_pos >= window
+            bias = torch.zeros(hidden.shape, dtype=q_rot.dtype, device=q_rot.device)
+            bias = bias.masked_fill_(hidden, float("-inf")).view(1, 1, 1, -1)
+            self.biases[(i, window)] = bias
+        keys, values = cache.keys(layer).unsqueeze(0), cache.values(layer).unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q_rot.unsqueeze(0),
+            keys,
+            values,
+            attn_mask=bias,
+            scale=a.scaling(layer),
+            enable_gqa=q_rot.shape[0] != keys.shape[1],
+        )
+        return out[0].transpose(0, 1).reshape(1, -1)
 
     def _gathered_attention(
         self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: GatheredRows | tuple[Tensor, Tensor, Tensor]
