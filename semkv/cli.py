@@ -22,7 +22,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu (tested) or cuda (checked by `semkv bench gpu`, see README status)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device: cpu (tested) or cuda (checked by `semkv bench gpu`, see README status)",
+    )
     p.add_argument(
         "--compute-dtype",
         default="auto",

@@ -43,10 +43,13 @@ def lookup_prefix(
     digests = prefix_digests(store.fingerprint, block_size, token_ids, namespace)
     for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids, namespace)):
         expect = token_ids[index * block_size : (index + 1) * block_size]
-        entry = store.get(key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]})
+        entry = store.get(
+            key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]}, chain=False
+        )
         if entry is None or entry.block_size != block_size:
             break
         found.append(entry)
+    store.touch_chain([entry.key for entry in found])  # once, leaf first: linear in the chain
     return found
 
 
@@ -125,9 +128,11 @@ def store_prefix(
                 parent=parent,
                 extras=summary_extras(summaries, index),
                 meta={PREFIX_DIGEST_META: digests[index]},
-            )
+            ),
+            chain=False,
         )
         written += 1
+    ctx.store.touch_chain(keys[: missing[-1] + 1])  # once, leaf first: linear in the chain
     return written
 
 
