@@ -347,12 +347,10 @@ class Engine:
         Returns the index and the seconds spent (part of the TTFT)."""
         start = time.perf_counter()
         blocks = BlockIndex(cache, self.config.block_size)
-        for summary in outcome.stored_summaries:
-            try:
-                blocks.insert(summary)
-            except ValueError as exc:  # stored by another version: summarise the rows instead
-                log.warning("recomputing block summaries: %s", exc)
-                break
+        try:
+            blocks.insert_many(outcome.stored_summaries)
+        except ValueError as exc:  # stored by another version: summarise the rows instead
+            log.warning("recomputing block summaries: %s", exc)
         if now:
             blocks.add_blocks()
         outcome.summaries = blocks

@@ -27,7 +27,7 @@ through the cache's query observer while the prompt is prefilled.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,18 +136,36 @@ class BlockIndex:
     def insert(self, summaries: Mapping[str, Tensor]) -> None:
         """Append the next block's summaries as a stored block carries them ({kind: [L, kvh, d]}, sq
         [L, kvh]); a ValueError if a kind is missing or misshapen (the caller then summarises the rows)."""
+        self.insert_many([summaries])
+
+    def insert_many(self, blocks: Sequence[Mapping[str, Tensor]]) -> int:
+        """Append the next blocks' summaries (each as :meth:`insert` takes them) in one write per kind;
+        the valid leading ones are inserted and a ValueError names the first invalid one. Returns the
+        number inserted."""
         c = self.cache
-        for kind in SUMMARY_KINDS:
-            want = (c.num_layers, c.num_kv_heads) + (() if kind == "sq" else (c.head_dim,))
-            got = summaries.get(kind)
-            if got is None or tuple(got.shape) != want:
-                raise ValueError(f"stored block summary {kind!r} is missing or not of shape {want}")
-        block = self.num_complete
-        self._reserve(block + 1)
-        for kind in SUMMARY_KINDS:
-            self._summaries[kind][:, :, block] = summaries[kind].float()
-        self.num_complete = block + 1
-        self._update_chunks(block, block + 1)
+        valid = 0
+        problem = None
+        for summaries in blocks:
+            for kind in SUMMARY_KINDS:
+                want = (c.num_layers, c.num_kv_heads) + (() if kind == "sq" else (c.head_dim,))
+                got = summaries.get(kind)
+                if got is None or tuple(got.shape) != want:
+                    problem = f"stored block summary {kind!r} is missing or not of shape {want}"
+                    break
+            if problem is not None:
+                break
+            valid += 1
+        if valid:
+            start = self.num_complete
+            self._reserve(start + valid)
+            for kind in SUMMARY_KINDS:
+                stacked = torch.stack([blocks[i][kind] for i in range(valid)], dim=2)  # blocks on dim 2
+                self._summaries[kind][:, :, start : start + valid] = stacked.to(self._summaries[kind].device)
+            self.num_complete = start + valid
+            self._update_chunks(start, start + valid)
+        if problem is not None:
+            raise ValueError(problem)
+        return valid
 
     def block_summaries(self, block: int) -> dict[str, Tensor]:
         """The summaries of one complete block, in the KV dtype, as the store keeps them with the block."""
