@@ -328,7 +328,7 @@ class Engine:
             outcome=outcome,
             cache=job.cache,
             sparse=job.sparse,
-            generator=torch.Generator().manual_seed(job.request.seed),
+            generator=torch.Generator(device=self.runtime.device).manual_seed(job.request.seed),
             eos_ids=self.eos_ids,
             kv_budget=job.kv_budget,
             prefill_queries=job.queries,
@@ -509,7 +509,7 @@ class Engine:
                         "capture_queries=True"
                     )
                 decoder.prefill = seq.prefill_queries
-            generator = torch.Generator()
+            generator = torch.Generator(device=seq.generator.device)
             generator.set_state(seq.generator.get_state())
             self._summarise_prompt(seq)
             cache = self.runtime.track(copy.deepcopy(seq.cache))

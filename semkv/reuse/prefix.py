@@ -79,7 +79,7 @@ def load_prefix(
     k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
     v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
     token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
-    ctx.runtime.load_rows(cache, k, v, torch.arange(num_tokens), token_ids)
+    ctx.runtime.load_rows(cache, k, v, torch.arange(num_tokens, device=cache.device), token_ids)
     return stored_summaries(blocks, num_tokens, ctx.block_size)
 
 
