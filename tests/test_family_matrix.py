@@ -13,7 +13,8 @@ against full prefill / dense decoding on the same engine:
 * every sparse policy at a budget covering every block, through the fast-tier gather path
   (``dense_when_covered=False``) == dense (engine decode and teacher-forced logits).
 
-Every check runs in both compute dtypes: float32 (the criteria above) and bfloat16, where each
+Every check runs on every available device (the ``device`` fixture: cpu, and cuda where there is one;
+the HF reference runs on the same device) and in both compute dtypes: float32 (the criteria above) and bfloat16, where each
 path runs in bf16 end to end and logits must agree within ``ATOL_BF16`` (HF's reference stays
 fp32; tokens are compared in fp32 only). A missing causal mask in the bf16 kernel moves these
 logits by 0.04-0.77, bf16 rounding by < 0.006.
@@ -73,16 +74,16 @@ def _run(engine, **kw):
     return engine.generate(max_new_tokens=NEW_TOKENS, stop_at_eos=False, **kw)
 
 
-def test_prefill_and_decode_match_hf(family, dtype, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
+def test_prefill_and_decode_match_hf(family, dtype, device, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype, device=device)
     assert engine.runtime.compute_dtype == getattr(torch, dtype)
     g = _run(engine, prompt=PROMPT, reuse="none")
     ids = engine.layout(GenerateRequest(prompt=PROMPT)).token_ids
     model = engine.hf_model
     with torch.no_grad():
-        reference = model(torch.tensor([ids])).logits[0, -1]
+        reference = model(torch.tensor([ids], device=device)).logits[0, -1]
     expected = model.generate(
-        torch.tensor([ids]),
+        torch.tensor([ids], device=device),
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
         do_sample=False,
@@ -93,8 +94,8 @@ def test_prefill_and_decode_match_hf(family, dtype, make_tiny_engine):
         assert g.token_ids == expected
 
 
-def test_prefix_reuse_is_exact(family, dtype, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
+def test_prefix_reuse_is_exact(family, dtype, device, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype, device=device)
     longer = PROMPT + " Answer in one short sentence, please."
     full_longer = _run(engine, prompt=longer, reuse="none", store_prompt=False)
     first = _run(engine, prompt=PROMPT, reuse="none")  # stores its blocks
@@ -106,8 +107,8 @@ def test_prefix_reuse_is_exact(family, dtype, make_tiny_engine):
     _same(extended, full_longer, dtype)
 
 
-def test_blend_at_full_ratio_is_full_prefill(family, dtype, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
+def test_blend_at_full_ratio_is_full_prefill(family, dtype, device, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype, device=device)
     engine.add_chunks(CHUNKS)
     full = _run(engine, prompt=QUESTION, chunks=CHUNKS, reuse="none", store_prompt=False)
     blend = _run(
@@ -117,8 +118,8 @@ def test_blend_at_full_ratio_is_full_prefill(family, dtype, make_tiny_engine):
     _same(blend, full, dtype)
 
 
-def test_share_recomputing_everything_is_full_prefill(family, dtype, make_tiny_engine):
-    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype)
+def test_share_recomputing_everything_is_full_prefill(family, dtype, device, make_tiny_engine):
+    engine = make_tiny_engine(family, disk=False, compute_dtype=dtype, device=device)
     config = ShareConfig(min_tokens=16, min_aligned_after_prefix=8, schedule="constant", constant_ratio=1.0)
     _run(engine, prompt=PROMPT, reuse="none", share=config)  # remembered for sharing
     full = _run(engine, prompt=EDITED, reuse="none", store_prompt=False)
@@ -129,12 +130,12 @@ def test_share_recomputing_everything_is_full_prefill(family, dtype, make_tiny_e
 
 @pytest.fixture(scope="module")
 def dense_runs(tmp_path_factory, tokenizer):
-    """Per family and compute dtype (built once): an engine, its dense generation and its dense per-step
-    decode logits."""
-    runs: dict[tuple[str, str], tuple] = {}
+    """Per family, compute dtype and device (built once): an engine, its dense generation and its dense
+    per-step decode logits."""
+    runs: dict[tuple[str, str, str], tuple] = {}
 
-    def get(family: str, dtype: str):
-        if (family, dtype) not in runs:
+    def get(family: str, dtype: str, device: str):
+        if (family, dtype, device) not in runs:
             config = EngineConfig(
                 model=family,
                 home=tmp_path_factory.mktemp(family),
@@ -142,11 +143,13 @@ def dense_runs(tmp_path_factory, tokenizer):
                 block_size=4,
                 store=StoreConfig(disk=False),
                 compute_dtype=dtype,
+                device=device,
             )
-            engine = Engine(config, tiny_hf_model(family, len(tokenizer)), tokenizer, name=f"tiny-{family}")
+            model = tiny_hf_model(family, len(tokenizer)).to(device)
+            engine = Engine(config, model, tokenizer, name=f"tiny-{family}")
             dense = _run(engine, prompt=PROMPT, reuse="none", store_prompt=False)
-            runs[family, dtype] = (engine, dense, _teacher_forced(engine, dense.token_ids, None))
-        return runs[family, dtype]
+            runs[family, dtype, device] = (engine, dense, _teacher_forced(engine, dense.token_ids, None))
+        return runs[family, dtype, device]
 
     return get
 
@@ -161,11 +164,11 @@ def _teacher_forced(engine, tokens: list[int], decoder: SparseDecoder | None) ->
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_sparse_at_full_budget_is_dense(family, dtype, policy, dense_runs):
+def test_sparse_at_full_budget_is_dense(family, dtype, device, policy, dense_runs):
     """A budget covering every block through the fast tier's gather path (``dense_when_covered=False``,
     so not the dense shortcut ``kv_budget=1.0`` takes in ``generate``): free-running tokens through the
     engine's decode, and teacher-forced per-step logits."""
-    engine, dense, dense_logits = dense_runs(family, dtype)
+    engine, dense, dense_logits = dense_runs(family, dtype, device)
     config = SparseConfig(kv_budget=1.0, window_tokens=6, dense_when_covered=False)
     decoder = SparseDecoder(make_policy(policy), config, engine.config.block_size)
     request = GenerateRequest(
