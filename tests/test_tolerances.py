@@ -2,10 +2,10 @@
 for a real error.
 
 Injected: (1) float32 dot products summed in four orders (BLAS, pairwise, forward, backward) over
-random inputs; (2) a tiny model's logits with the last token one position further (a gap
+random inputs; (2) a causal mask that lets each query see one later key, and a tiny model's logits with the last token one position further (a gap
 before it: RoPE sees other distances; shifting every position alike changes nothing), or one context token
 changed. Must happen: (1) every pair of orders is within :func:`reduction_atol`; (2) each error is
-further from the right logits than :func:`config_atol` allows, by a wide margin.
+further from the right result than :func:`attention_atol` / :func:`config_atol` allow, by a wide margin.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from semkv.models import Runtime, adapter_for
 from tests.conftest import tiny_hf_model
-from tests.tolerances import config_atol, reduction_atol
+from tests.tolerances import attention_atol, config_atol, reduction_atol
 
 
 def _orders(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -61,3 +61,18 @@ def test_a_real_error_is_far_outside_the_model_bound(tokenizer):
     changed = _last_logits(runtime, [tokens[0] + 1, *tokens[1:]])
     for wrong in (shifted, changed):
         assert float((wrong - right).abs().max()) > 20 * atol
+
+
+def _attention(q, k, v, visible):
+    """Softmax attention of q [h, Tq, d] over k, v [h, Tk, d] where ``visible`` [Tq, Tk] allows."""
+    scores = (q @ k.transpose(1, 2) * 0.25).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_a_mask_one_key_off_is_far_outside_the_attention_bound():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(4, 64, 16, generator=gen) for _ in range(3))
+    pos = torch.arange(64)
+    right = _attention(q, k, v, pos.unsqueeze(0) <= pos.unsqueeze(1))
+    wrong = _attention(q, k, v, pos.unsqueeze(0) <= pos.unsqueeze(1) + 1)
+    assert float((wrong - right)[:, :-1].abs().max()) > 20 * attention_atol(q, k, v, 0.25)

@@ -95,7 +95,7 @@ def attention_atol(
 
     The logits q.k (d terms, S bounded by the largest sum_i |q_i k_i|, computed here) shift the softmax
     weights by at most their error (a weight's relative change is the logits' absolute one), which moves
-    the output by that times max |v|; the weighted sum of Tk values (a convex combination: S <= max |v|)
+    the output by at most twice that times max |v|; the weighted sum of Tk values (a convex combination: S <= max |v|)
     adds its own."""
     dtype = dtype or q.dtype
     vmax = magnitude(v)
@@ -105,7 +105,8 @@ def attention_atol(
     )
     logits = reduction_atol(q.shape[-1], magnitude(abs_logits), dtype)
     values = reduction_atol(k.shape[1], vmax, dtype)
-    return logits * vmax + values
+    # o = sum_j w_j v_j with w = softmax(l): |do| <= sum_j w_j |dl_j - sum_i w_i dl_i| |v_j| <= 2 max|dl| max|v|
+    return 2 * logits * vmax + values
 
 
 def assert_close_across_kernels(
