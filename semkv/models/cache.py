@@ -238,7 +238,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the valid rows at rest (pre-RoPE K + V in the KV dtype)."""
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        elem = self.kv_dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.length * self.head_dim * elem
 
 
@@ -247,8 +247,8 @@ def row_bytes(
 ) -> int:
     """Bytes one token row takes in a live cache over every layer (pre-RoPE K in the KV dtype, rotated K
     and V in the compute dtype)."""
-    kv = torch.empty((), dtype=kv_dtype).element_size()
-    compute = torch.empty((), dtype=compute_dtype).element_size()
+    kv = kv_dtype.itemsize
+    compute = compute_dtype.itemsize
     return num_layers * num_kv_heads * head_dim * (kv + 2 * compute)
 
 

@@ -114,6 +114,8 @@ class TokenHasher:
     """SimHash of (centred, normalised embedding ; weighted positional features).
 
     center: [H] vector subtracted from every embedding (the vocabulary mean).
+    The planes are drawn on the host from ``config.seed`` (the same planes on every device) and meet the
+    embeddings on the embeddings' device.
     """
 
     def __init__(self, config: SimHashConfig, hidden_size: int, center: Tensor | None = None) -> None:
@@ -124,20 +126,21 @@ class TokenHasher:
             if center is not None
             else torch.zeros(hidden_size, device="cpu")
         )
-        generator = torch.Generator(device="cpu").manual_seed(config.seed)  # hashing runs on the host
+        generator = torch.Generator(device="cpu").manual_seed(config.seed)
         dim = hidden_size + config.position_features
         self.planes = torch.randn(dim, config.total_bits, generator=generator, device="cpu")
 
     def vectors(self, embeddings: Tensor, positions: Tensor) -> Tensor:
-        """embeddings [T, H], positions [T] -> the hashed vectors [T, H + position_features]."""
-        e = embeddings.detach().float() - self.center
+        """embeddings [T, H], positions [T] (on the embeddings' device) -> the hashed vectors
+        [T, H + position_features]."""
+        e = embeddings.detach().float() - self.center.to(embeddings.device)
         e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-12)
         p = positional_features(positions, self.config) * self.config.position_weight
         return torch.cat([e, p], dim=1)
 
     def bits(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         """bool [T, tables * bits]."""
-        return self.vectors(embeddings, positions) @ self.planes > 0
+        return self.vectors(embeddings, positions) @ self.planes.to(embeddings.device) > 0
 
     def signatures(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         """Packed signatures int64 [T, tables]."""

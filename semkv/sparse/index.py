@@ -84,7 +84,7 @@ class BlockIndex:
         size = max(blocks, c.capacity // self.block_size + 1, 2 * have)
         for kind in SUMMARY_KINDS:
             shape = (c.num_layers, c.num_kv_heads, size) + (() if kind == "sq" else (c.head_dim,))
-            buffer = torch.zeros(shape)
+            buffer = torch.zeros(shape, device=c.device)
             if have:
                 buffer[:, :, :have] = self._summaries[kind]
             self._summaries[kind] = buffer
@@ -119,7 +119,7 @@ class BlockIndex:
         first, last = start // CHUNK_BLOCKS, (end - 1) // CHUNK_BLOCKS + 1
         size = self._summaries["rmean"].shape[2] // CHUNK_BLOCKS + 1
         if self._chunks is None or self._chunks.shape[2] < size:
-            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
+            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim, device=c.device)
             if self._chunks is not None:
                 grown[:, :, : self._chunks.shape[2]] = self._chunks
             self._chunks = grown
@@ -196,7 +196,7 @@ class BlockIndex:
         count = -(-self.num_complete // CHUNK_BLOCKS)
         if self._chunks is None:
             c = self.cache
-            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim)
+            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim, device=c.device)
         return self._chunks[:, :, :count]
 
     def key_means(self) -> Tensor:
@@ -242,11 +242,12 @@ class PrefillQueries:
         return max(int(p[-1]) for p in self.positions.values())
 
 
-def captured_offsets(total: int, window: int, stride: int) -> Tensor:
-    """Offsets (ascending) into ``total`` computed rows: every ``stride``-th from the end + the last ``window``."""
-    ends = torch.arange(total - 1, -1, -stride) if stride > 0 else torch.empty(0, dtype=torch.long)
-    last = torch.arange(max(0, total - window), total)
-    return torch.unique(torch.cat([ends, last]))  # sorted
+def captured_offsets(total: int, window: int, stride: int, device: torch.device | str = "cpu") -> Tensor:
+    """Offsets [n] (ascending, on ``device``) into ``total`` computed rows: every ``stride``-th from the end
+    + the last ``window``. Worked out on the host from the three counts (no device round trip)."""
+    ends = set(range(total - 1, -1, -stride)) if stride > 0 else set()
+    last = set(range(max(0, total - window), total))
+    return torch.tensor(sorted(ends | last), dtype=torch.long, device=device)
 
 
 @contextlib.contextmanager
@@ -261,7 +262,7 @@ def capture_prefill_queries(cache: KVCache, window: int = 32, stride: int = 64) 
     result = PrefillQueries(window=window)
 
     def record(layer: int, q_rot: Tensor, positions: Tensor) -> None:
-        offsets = captured_offsets(positions.shape[0], window, stride)
+        offsets = captured_offsets(positions.shape[0], window, stride, positions.device)
         result.q[layer] = q_rot[:, offsets].float()  # a copy, in float32 whatever the compute dtype
         result.positions[layer] = positions[offsets].clone()
 
