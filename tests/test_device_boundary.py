@@ -50,9 +50,15 @@ CONSTRUCTORS = frozenset(
 # The per-layer code: qualified name -> "loop" (only the body of its ``for`` loops runs per layer) or
 # "body" (the whole function runs once per layer). Update it when the layer loop moves.
 PER_LAYER: dict[str, str] = {
-    "semkv.models.runtime.Runtime.forward_rows": "loop",
-    "semkv.models.runtime.Runtime.decode_batch": "loop",
-    "semkv.reuse.selective.forward_fixed_rows": "loop",
+    "semkv.models.runtime.Runtime.run_layers": "loop",
+    "semkv.models.runtime.RowsPass.step": "body",
+    "semkv.models.runtime.RowsPass._select": "body",
+    "semkv.models.runtime.RowsPass._narrow": "body",
+    "semkv.models.runtime.DecodePass.step": "body",
+    "semkv.models.runtime.DecodePass._own_attention": "body",
+    "semkv.models.runtime.DecodePass._masked_attention": "body",
+    "semkv.models.runtime.DecodePass._gathered_attention": "body",
+    "semkv.models.runtime.DecodePass._shared_attention": "body",
     "semkv.reuse.selective.SelectiveRecompute.select": "body",
     "semkv.reuse.selective.SelectiveRecompute._keep": "body",
     "semkv.reuse.selective.QueryProbe.select": "body",
@@ -70,24 +76,10 @@ PER_LAYER: dict[str, str] = {
 }
 
 # (file relative to semkv/, qualified function name or a piece of the flagged line) -> why it may stay.
-PENDING = "pending: the runtime's one device boundary (issue 47 item 1) moves it to the runtime's device"
-ALLOWED_CONSTRUCTORS: dict[tuple[str, str], str] = {
-    ("reuse/blend.py", "BlendReuse.prefill"): PENDING,
-    ("reuse/selective.py", "SelectiveRecompute.preselect"): PENDING,
-    ("reuse/selective.py", "SelectiveRecompute.recomputed_rows"): PENDING,
-    ("reuse/selective.py", "QueryProbe.__post_init__"): PENDING,
-    ("reuse/share.py", "SharePath.token_bits"): PENDING,
-    ("reuse/share.py", "SharePath.prefill"): PENDING,
-}
-ALLOWED_NUMPY: dict[tuple[str, str], str] = {
-    ("reuse/share.py", "match_signatures"): PENDING,
-}
-PENDING_SYNC = "pending: the one layer loop (issue 47 items 1-2) takes this host sync out of the loop"
-ALLOWED_SYNCS: dict[tuple[str, str], str] = {
-    ("models/runtime.py", "int(active[keep[-1]])"): PENDING_SYNC,
-    ("reuse/selective.py", "bool(asking.any())"): PENDING_SYNC,
-    ("reuse/selective.py", "bool(others.any())"): PENDING_SYNC,
-}
+# Kept short: every entry needs a reason.
+ALLOWED_CONSTRUCTORS: dict[tuple[str, str], str] = {}
+ALLOWED_NUMPY: dict[tuple[str, str], str] = {}
+ALLOWED_SYNCS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -191,8 +191,8 @@ def match_signatures(
         return found
     agreement = bit_agreement(new_bits[torch.from_numpy(todo)], ref_bits)
     best, where = agreement.max(dim=1)
-    ok = (best >= min_similarity).numpy()
-    source[todo[ok]] = where.numpy()[ok]
+    ok = (best >= min_similarity).cpu().numpy()  # matching runs on the host
+    source[todo[ok]] = where.cpu().numpy()[ok]
     found[todo[ok]] = True
     return found
 
