@@ -323,7 +323,9 @@ class Engine:
                 layout=resolved.layout,
                 plan=plan,
                 refusals=refusals,
-                cache=self.runtime.new_cache(resolved.prompt_tokens + resolved.max_new_tokens, claim_slot=True),
+                cache=self.runtime.new_cache(
+                    resolved.prompt_tokens + resolved.max_new_tokens, claim_slot=True
+                ),
                 sparse=sparse,
                 kv_budget=resolved.kv_budget,
                 capture=capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries),

@@ -249,7 +249,9 @@ def _check_stop(stop: object) -> list[str]:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r:.80}")
         if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"stop[{i}] has {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}")
+            raise ValueError(
+                f"stop[{i}] has {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}"
+            )
     return list(stop)
 
 

@@ -89,7 +89,10 @@ def test_the_resolved_request_is_what_the_steps_read(make_tiny_engine, counts):
     assert isinstance(resolved, ResolvedRequest) and engine.resolve(resolved) is resolved
     admission = engine.admission(resolved)
     assert admission.prompt_tokens == resolved.prompt_tokens == len(resolved.layout)
-    assert admission.prefix_keys == resolved.prefix_keys and len(resolved.prefix_keys) == len(resolved.token_ids) // 4
+    assert (
+        admission.prefix_keys == resolved.prefix_keys
+        and len(resolved.prefix_keys) == len(resolved.token_ids) // 4
+    )
     engine.plan(resolved)
     seq = engine.prefill(resolved)
     assert seq.layout is resolved.layout and seq.options is resolved.options

@@ -148,7 +148,11 @@ def test_huge_chunk_document_and_completion_are_refused(server):
     with httpx.Client(timeout=60) as client:
         chunk = {"model": TINY, "prompt": "Summarise.", "max_tokens": 2, "semkv": {"chunks": [over]}}
         assert_context_error(client.post(f"{url}/v1/completions", json=chunk, headers=auth("alice")), limit)
-        split = {"model": TINY, "prompt": "y" * (limit // 2 + 1), "semkv": {"chunks": ["z" * (limit // 2 + 1)]}}
+        split = {
+            "model": TINY,
+            "prompt": "y" * (limit // 2 + 1),
+            "semkv": {"chunks": ["z" * (limit // 2 + 1)]},
+        }
         assert_context_error(client.post(f"{url}/v1/completions", json=split, headers=auth("alice")), limit)
         document = client.post(f"{url}/v1/documents", json={"input": [over]}, headers=auth("alice"))
         assert_context_error(document, limit)
@@ -159,10 +163,18 @@ def test_huge_chunk_document_and_completion_are_refused(server):
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_stop_strings_over_the_limit_are_a_400(server, route):
     url, _, _ = server
-    prompt = {"prompt": "Hello"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    prompt = (
+        {"prompt": "Hello"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
     with httpx.Client(timeout=60) as client:
         for stop in (["s" * 200_000] * 4, "s" * (MAX_STOP_CHARS + 1)):
-            r = client.post(f"{url}{route}", json={"model": TINY, **prompt, "max_tokens": 2, "stop": stop}, headers=auth("alice"))
+            r = client.post(
+                f"{url}{route}",
+                json={"model": TINY, **prompt, "max_tokens": 2, "stop": stop},
+                headers=auth("alice"),
+            )
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] is not None and error["param"].startswith("stop"), error
@@ -176,4 +188,6 @@ def test_stop_strings_over_the_limit_are_a_400(server, route):
         reserved = client.post(
             f"{url}{route}", json={"model": TINY, **prompt, "semkv": {"stop": ["x"]}}, headers=auth("alice")
         )
-        assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "semkv.stop", reserved.text
+        assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "semkv.stop", (
+            reserved.text
+        )
