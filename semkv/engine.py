@@ -55,7 +55,7 @@ from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
-from semkv.store.keys import Namespace, prefix_block_keys
+from semkv.store.keys import EntryKey, Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
 from semkv.tokenizer_pool import TokenizerPool, max_chars_per_token
@@ -247,7 +247,7 @@ class Engine:
         options = self.defaults.reuse_options(request)
         policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(token_ids))
         block = self.ctx.block_size
-        keys: tuple = ()
+        keys: tuple[EntryKey, ...] = ()
         if options.mode != "none" and "prefix" in self.paths:
             keys = tuple(prefix_block_keys(self.fingerprint, block, token_ids, options.namespace))
         return ResolvedRequest(

@@ -171,11 +171,26 @@ def jsonable(value: Any) -> Any:
 
 @dataclass
 class GenerationResult:
+    """One finished generation as a response reports it.
+
+    prompt_tokens: its prompt's tokens; cached_tokens: those whose KV came from its namespace's cache
+    (the engine's ``reused_tokens``, within [0, prompt_tokens]). stats: every engine stat (what the
+    ``semkv`` field shows of them depends on ``debug_stats``)."""
+
     text: str
     token_ids: list[int]
     stats: dict[str, Any]
     finish_reason: str
     ttft_s: float | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, generation: Any, finish_reason: str, ttft_s: float | None) -> GenerationResult:
+        stats = generation.stats
+        prompt = int(stats.get("prompt_tokens", 0))
+        cached = max(0, min(int(stats.get("reused_tokens", 0) or 0), prompt))
+        return cls(generation.text, list(generation.token_ids), stats, finish_reason, ttft_s, prompt, cached)
 
 
 class ServerState:
@@ -365,7 +380,7 @@ class ServerState:
         ttft = (first if first is not None else time.perf_counter()) - started
         self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
         finish = "length" if output.finish_reason == "length" else "stop"
-        return GenerationResult(generation.text, list(generation.token_ids), generation.stats, finish, ttft)
+        return GenerationResult.of(generation, finish, ttft)
 
     def check_document_chars(self, texts: list[str]) -> None:
         """A 400 naming the limit for a document whose text cannot fit in the model's context, known from
@@ -756,8 +771,8 @@ def _usage(results: list[GenerationResult]) -> dict[str, Any]:
     """OpenAI's ``usage``: token counts, and ``prompt_tokens_details.cached_tokens``: the prompt tokens
     whose KV came from the request's own namespace's cache (prefix blocks, stored chunks, a shared
     prompt) instead of a full computation."""
-    prompt = sum(int(r.stats.get("prompt_tokens", 0)) for r in results)
-    cached = sum(_cached_tokens(r.stats) for r in results)
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
     completion = sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
@@ -766,11 +781,6 @@ def _usage(results: list[GenerationResult]) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
-
-def _cached_tokens(stats: dict[str, Any]) -> int:
-    """A generation's reused prompt tokens, within [0, its prompt tokens]."""
-    prompt = int(stats.get("prompt_tokens", 0))
-    return max(0, min(int(stats.get("reused_tokens", 0) or 0), prompt))
 
 
 def _salt(value: str | None) -> str | None:
