@@ -782,7 +782,6 @@ def _usage(results: list[GenerationResult]) -> dict[str, Any]:
     }
 
 
-
 def _salt(value: str | None) -> str | None:
     """A ``cache_salt`` query parameter, checked like the body field."""
     if value is not None and len(value) > MAX_SALT_CHARS:
