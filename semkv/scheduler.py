@@ -47,11 +47,14 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from semkv.config import SchedulerConfig
-from semkv.request import GenerateRequest, Generation
+from semkv.request import GenerateRequest, Generation, ResolvedRequest
 from semkv.sequence import TokenCallback
 from semkv.text_stream import TextStream
 
 log = logging.getLogger(__name__)
+
+
+AnyRequest = GenerateRequest | ResolvedRequest  # what the scheduler queues (a runner may resolve ahead)
 
 
 class QueueFull(RuntimeError):
@@ -111,7 +114,7 @@ class Admission:
 class StepRunner(Protocol[S, J]):
     """The model work a scheduler drives (implemented by :class:`semkv.engine.Engine`)."""
 
-    def admission(self, request: GenerateRequest) -> Admission:
+    def admission(self, request: AnyRequest) -> Admission:
         """The request's cost; a ValueError if it can never run (empty, too long)."""
         ...
 
@@ -119,7 +122,7 @@ class StepRunner(Protocol[S, J]):
         """Leading prompt tokens the request would load rather than compute if it started now."""
         ...
 
-    def begin_prefill(self, request: GenerateRequest) -> J:
+    def begin_prefill(self, request: AnyRequest) -> J:
         """Plan the request and make its cache (nothing computed yet)."""
         ...
 
@@ -144,7 +147,7 @@ class StepRunner(Protocol[S, J]):
         """The sequence's result (also for one ended early)."""
         ...
 
-    def text_stream(self, request: GenerateRequest) -> TextStream:
+    def text_stream(self, request: AnyRequest) -> TextStream:
         """A detokenizer with the request's stop strings."""
         ...
 
@@ -198,7 +201,7 @@ class _Entry(Generic[S, J]):
     """A request in the scheduler: waiting (no job), prefilling (a job), running (a sequence)."""
 
     request_id: str
-    request: GenerateRequest
+    request: AnyRequest
     deadline: float | None
     timeout_s: float | None
     admission: Admission | None = None
@@ -235,17 +238,18 @@ class Scheduler(Generic[S, J]):
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(
         self,
-        request: GenerateRequest,
+        request: AnyRequest,
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
         waited_s: float = 0.0,
     ) -> str:
-        """Queue ``request``; returns its id (``request_id`` if given: it must not be in use). It is
+        """Queue ``request`` (as given, or resolved by the runner ahead: the scheduler hands it back to the
+        runner as it is); returns its id (``request_id`` if given: it must not be in use). It is
         admitted at a later step. ``timeout_s``: its deadline, in seconds from its arrival, which was
         ``waited_s`` seconds ago (e.g. a server's time to read and tokenize it); past it, it ends with
         :class:`DeadlineExceeded`. Raises :class:`QueueFull` when ``max_waiting`` requests wait."""
-        if not isinstance(request, GenerateRequest):
+        if not isinstance(request, (GenerateRequest, ResolvedRequest)):
             raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")

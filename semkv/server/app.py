@@ -16,7 +16,13 @@ Security lives here, in the request-handling layer (not in the engine's worker):
 * **What a response tells.** Stats that describe other requests' data (which path reused what, how
   many tokens an exact prefix or a shared prompt covered, why a path was refused, share references)
   are only returned with ``ServerConfig.debug_stats``; by default a response carries its own
-  token counts and timings only.
+  token counts and timings only, and how many of its prompt tokens came from the cache
+  (``usage.prompt_tokens_details.cached_tokens``, ``semkv.reused_tokens``): reuse never crosses a
+  namespace, so that count only tells a caller about its own namespace's requests.
+* **Bounded before work.** A request's text is checked against the model's context in characters
+  (:meth:`Engine.max_prompt_chars <semkv.engine.Engine.max_prompt_chars>`) before it is tokenized, and it
+  is tokenized on a worker thread with a private tokenizer copy, without the engine's lock: a huge prompt
+  is a 400 in milliseconds and never stalls the engine thread.
 * **Limits.** The request body is limited by the bytes received (chunked bodies included), every
   engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
   by the scheduler at every step: a 504, or an SSE error event once streaming), and a 500 never carries internal exception text.
@@ -42,7 +48,8 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv import __version__ as semkv_version
-from semkv.request import GenerateRequest
+from semkv.host_memory import give_back_freed_memory
+from semkv.request import GenerateRequest, ResolvedRequest
 from semkv.reuse.options import BlendConfig
 from semkv.scheduler import DeadlineExceeded, StepOutput, StepStats
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
@@ -74,6 +81,7 @@ PUBLIC_STATS = frozenset(
         "decode_s",
         "decode_ms_per_token",
         "server_ttft_s",
+        "reused_tokens",  # the request's own prompt tokens served from its namespace's cache (a count)
         "sparse_policy",
         "sparse_steps",
         "kv_budget",
@@ -81,6 +89,9 @@ PUBLIC_STATS = frozenset(
     }
 )
 PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state
+# A request body at least this large leaves transient copies (bytes, parsed text, validation) worth
+# returning to the OS once it is answered (:func:`semkv.host_memory.give_back_freed_memory`).
+TRIM_AFTER_BODY_BYTES = 4 * 1024**2
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -160,11 +171,26 @@ def jsonable(value: Any) -> Any:
 
 @dataclass
 class GenerationResult:
+    """One finished generation as a response reports it.
+
+    prompt_tokens: its prompt's tokens; cached_tokens: those whose KV came from its namespace's cache
+    (the engine's ``reused_tokens``, within [0, prompt_tokens]). stats: every engine stat (what the
+    ``semkv`` field shows of them depends on ``debug_stats``)."""
+
     text: str
     token_ids: list[int]
     stats: dict[str, Any]
     finish_reason: str
     ttft_s: float | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, generation: Any, finish_reason: str, ttft_s: float | None) -> GenerationResult:
+        stats = generation.stats
+        prompt = int(stats.get("prompt_tokens", 0))
+        cached = max(0, min(int(stats.get("reused_tokens", 0) or 0), prompt))
+        return cls(generation.text, list(generation.token_ids), stats, finish_reason, ttft_s, prompt, cached)
 
 
 class ServerState:
@@ -227,13 +253,17 @@ class ServerState:
             chunks.append(found[0].text)
         return chunks + list(ext.chunks)
 
-    def engine_kwargs(
-        self, body: SamplingFields, max_tokens: int | None, principal: Principal, **prompt: Any
-    ) -> dict[str, Any]:
-        """OpenAI fields + ``semkv`` extension -> validated ``Engine.generate`` keyword arguments.
-
-        ``max_new_tokens`` is None when the request left it to the server (filled in on the engine thread).
-        """
+    def engine_request(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max: int,
+        principal: Principal,
+        **prompt: Any,
+    ) -> GenerateRequest:
+        """OpenAI fields + ``semkv`` extension -> the one validated :class:`GenerateRequest` of this
+        generation (a 400 naming what is wrong). A ``max_tokens`` left to the server is ``default_max``,
+        fitted to the context when the request is resolved (:meth:`prepare`)."""
         ext = body.semkv or SemkvExtension()
         options = ext.options
         check_engine_options(options)
@@ -254,20 +284,37 @@ class ServerState:
         kwargs: dict[str, Any] = {
             **prompt,
             "chunks": self.context_chunks(ext, namespace),
-            "max_new_tokens": max_tokens,
+            "max_new_tokens": max_tokens if max_tokens is not None else default_max,
             "temperature": float(temperature),
             "top_p": float(body.top_p if body.top_p is not None else 1.0),
             "seed": seed % 2**63,
+            "stop": body.stop_list,
             **self.config.defaults,
             **options,
             "tenant": namespace.tenant,
             "cache_salt": namespace.salt or None,
         }
         try:
-            GenerateRequest(**{**kwargs, "max_new_tokens": max_tokens or 1})
+            return GenerateRequest(**kwargs)
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"invalid request: {exc}", "semkv", "invalid_value") from exc
-        return kwargs
+
+    def prepare(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max: int,
+        principal: Principal,
+        **prompt: Any,
+    ) -> ResolvedRequest:
+        """The generation's request built (:meth:`engine_request`) and resolved by the engine: its text's
+        length checked, tokenized on a private tokenizer copy, its options resolved. Blocking (documents
+        are read, the prompt tokenized): call it off the event loop. Takes no engine lock."""
+        request = self.engine_request(body, max_tokens, default_max, principal, **prompt)
+        try:
+            return self.engine.resolve(request, fit_context=max_tokens is None)
+        except ValueError as exc:
+            raise map_engine_error(exc) from exc
 
     def stats(self, results: list[GenerationResult]) -> dict[str, Any] | list[dict[str, Any]]:
         """The ``semkv`` field of a response: the engine's stats, all of them only with debug_stats."""
@@ -290,24 +337,12 @@ class ServerState:
             if output.finished:
                 self.metrics.ended.labels(str(output.finish_reason)).inc()
 
-    def request_of(self, kwargs: dict[str, Any], default_max: int, stop: list[str]) -> GenerateRequest:
-        """The engine request; a ``max_new_tokens`` left to the server becomes ``default_max``, capped to
-        what fits in the context (this tokenizes the prompt: call it off the event loop)."""
-        if kwargs["max_new_tokens"] is None:
-            layout = self.engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
-            room = self.engine.max_context - len(layout)
-            kwargs = {**kwargs, "max_new_tokens": max(1, min(default_max, room))}
-        return GenerateRequest(**kwargs, stop=stop)
-
-    async def submit(
-        self, kwargs: dict[str, Any], default_max: int, stop: list[str], request_id: str, started: float
-    ) -> asyncio.Queue[StepOutput]:
-        """Queue one generation on the engine thread; returns the queue of its step outputs. Its deadline
-        counts from ``started`` (the request's arrival): time spent waiting for the engine to tokenize it
-        (e.g. behind a document upload) counts too, so a request already past it ends at the scheduler's
-        next step (a 504) without running."""
+    def submit(self, request: ResolvedRequest, request_id: str, started: float) -> asyncio.Queue[StepOutput]:
+        """Queue one resolved generation on the engine thread; returns the queue of its step outputs. Its
+        deadline counts from ``started`` (the request's arrival): time spent reading and tokenizing it
+        counts too, so a request already past it ends at the scheduler's next step (a 504) without
+        running."""
         try:
-            request = await run_in_threadpool(self.request_of, kwargs, default_max, stop)
             waited = time.perf_counter() - started
             return self.loop.submit(request, request_id, self.config.request_timeout_s, waited)
         except APIError:
@@ -345,7 +380,22 @@ class ServerState:
         ttft = (first if first is not None else time.perf_counter()) - started
         self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
         finish = "length" if output.finish_reason == "length" else "stop"
-        return GenerationResult(generation.text, list(generation.token_ids), generation.stats, finish, ttft)
+        return GenerationResult.of(generation, finish, ttft)
+
+    def check_document_chars(self, texts: list[str]) -> None:
+        """A 400 naming the limit for a document whose text cannot fit in the model's context, known from
+        its length in characters before it is tokenized (:attr:`Engine.max_prompt_chars
+        <semkv.engine.Engine.max_prompt_chars>`)."""
+        limit = self.engine.max_prompt_chars
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                raise APIError(
+                    400,
+                    f"document {i} has {len(text)} characters; at most {limit} fit in the model's context "
+                    f"of {self.engine.max_context} tokens",
+                    "input",
+                    "context_length_exceeded",
+                )
 
     def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
         counts = self.engine.count_tokens(texts)
@@ -426,7 +476,10 @@ class GuardMiddleware:
       caller in the scope's state;
     * reads the whole request body and refuses it with a 413 as soon as more bytes arrived than
       the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none); the app
-      then receives the body it read.
+      then receives the body it read;
+    * after a request whose body had :data:`TRIM_AFTER_BODY_BYTES` or more, gives the memory its copies
+      used back to the OS (on a worker thread), so a burst of huge bodies leaves the resident set where
+      it was.
     """
 
     def __init__(self, app: Any, state: ServerState) -> None:
@@ -448,15 +501,19 @@ class GuardMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        received = 0
         try:
             refusal = self._authenticate(scope, path)
             if refusal is None:
-                refusal, receive = await self._read_body(scope, receive)
+                refusal, receive, received = await self._read_body(scope, receive)
             if refusal is not None:
                 await refusal(scope, receive, send_counted)
                 return
             await self.app(scope, receive, send_counted)
         finally:
+            if received >= TRIM_AFTER_BODY_BYTES:
+                del receive  # the replayed body
+                await run_in_threadpool(give_back_freed_memory)
             metrics = self.state.metrics
             metrics.requests.labels(endpoint, str(status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
@@ -489,28 +546,28 @@ class GuardMiddleware:
         scope.setdefault("state", {})[PRINCIPAL] = principal
         return None
 
-    async def _read_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable]:
-        """(413 response or None, a receive that replays the body read)."""
+    async def _read_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable, int]:
+        """(413 response or None, a receive that replays the body read, the bytes read)."""
         limit = self.state.config.max_body_bytes
         too_large = SafeJSONResponse(
             error_body(413, f"request body over {limit} bytes", None, "too_large"), status_code=413
         )
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return too_large, receive
+            return too_large, receive, 0
         parts: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away: let the app see it
-                return None, _replay(b"".join(parts), receive, first=message)
+                return None, _replay(b"".join(parts), receive, first=message), size
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return too_large, receive
+                return too_large, receive, size
             parts.append(chunk)
             if not message.get("more_body", False):
-                return None, _replay(b"".join(parts), receive)
+                return None, _replay(b"".join(parts), receive), size
 
 
 def _replay(body: bytes, receive: Callable, first: dict | None = None) -> Callable:
@@ -584,6 +641,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 403, "this API key may not publish shared documents", "shared", "permission_denied"
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
+        state.check_document_chars(body.texts)
         docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
         return {"object": "list", "data": [d.summary() for d in docs]}
 
@@ -627,11 +685,11 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         prompts = body.prompts
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming supports a single prompt", "prompt", "invalid_value")
+        default = state.config.completion_max_tokens
         calls = [
-            await run_in_threadpool(state.engine_kwargs, body, body.max_tokens, principal, prompt=p)
+            await run_in_threadpool(state.prepare, body, body.max_tokens, default, principal, prompt=p)
             for p in prompts
         ]
-        default = state.config.completion_max_tokens
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
         if body.stream:
@@ -640,13 +698,13 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
                 return {**base, "choices": [choice], **extra}
 
-            return await _stream(state, body, calls[0], default, started, request, rid, chunk, None)
+            return await _stream(state, body, calls[0], started, request, rid, chunk, None)
 
         ids = [f"{rid}-{i}" for i in range(len(calls))]
         queues = []
         try:
-            for kw, request_id in zip(calls, ids, strict=True):  # all queued at once: they decode together
-                queues.append(await state.submit(kw, default, body.stop_list, request_id, started))
+            for call, request_id in zip(calls, ids, strict=True):  # all queued at once: they decode together
+                queues.append(state.submit(call, request_id, started))
             results = [await state.collect(i, q, started, request) for i, q in zip(ids, queues, strict=True)]
         finally:
             for request_id in ids:  # a failed or abandoned request frees the others (no-op once finished)
@@ -663,10 +721,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         state.check_model(body.model)
         messages = [m.as_engine_message() for m in body.messages]
         principal = state.principal(request)
-        kwargs = await run_in_threadpool(
-            state.engine_kwargs, body, body.token_limit, principal, messages=messages
-        )
         default = state.config.chat_max_tokens
+        call = await run_in_threadpool(
+            state.prepare, body, body.token_limit, default, principal, messages=messages
+        )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
         if body.stream:
@@ -681,9 +739,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 ],
             }
-            return await _stream(state, body, kwargs, default, started, request, rid, chunk, opening)
+            return await _stream(state, body, call, started, request, rid, chunk, opening)
 
-        queue = await state.submit(kwargs, default, body.stop_list, rid, started)
+        queue = state.submit(call, rid, started)
         result = await state.collect(rid, queue, started, request)
         message = {"role": "assistant", "content": result.text}
         return {
@@ -709,10 +767,19 @@ async def _run(state: ServerState, job: Callable[[], Any]) -> Any:
         raise map_engine_error(exc) from exc
 
 
-def _usage(results: list[GenerationResult]) -> dict[str, int]:
-    prompt = sum(int(r.stats.get("prompt_tokens", 0)) for r in results)
+def _usage(results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's ``usage``: token counts, and ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    whose KV came from the request's own namespace's cache (prefix blocks, stored chunks, a shared
+    prompt) instead of a full computation."""
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
     completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _salt(value: str | None) -> str | None:
@@ -730,8 +797,7 @@ def public_stats(stats: dict[str, Any]) -> dict[str, Any]:
 async def _stream(
     state: ServerState,
     body: SamplingFields,
-    kwargs: dict[str, Any],
-    default_max: int,
+    call: ResolvedRequest,
     started: float,
     request: Request,
     request_id: str,
@@ -740,7 +806,7 @@ async def _stream(
 ) -> Any:
     """Start the generation; answer a JSON error if it fails before its first output, else an SSE stream
     of its text as the engine's steps produce it. A client that goes away aborts the generation."""
-    queue = await state.submit(kwargs, default_max, body.stop_list, request_id, started)
+    queue = state.submit(call, request_id, started)
     try:
         first = await next_output(queue, request)
     except (asyncio.CancelledError, ClientGone):

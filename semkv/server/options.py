@@ -32,6 +32,7 @@ RESERVED_OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
+    "stop": "stop",
     "tenant": "the API key (Authorization: Bearer ...)",
     "cache_salt": "cache_salt (a top-level field)",
 }

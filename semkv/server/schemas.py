@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from semkv.request import MAX_NEW_TOKENS_LIMIT
+from semkv.request import MAX_NEW_TOKENS_LIMIT, MAX_STOP_CHARS
 
 MAX_CONTEXT_ITEMS = 64
 MAX_STOP = 4
@@ -43,6 +43,7 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1), AfterValidator(_unicode)]
+StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 
 
 class _Strict(BaseModel):
@@ -76,7 +77,9 @@ class SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: StopStr | list[StopStr] | None = Field(
+        None, description=f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each"
+    )
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
