@@ -407,22 +407,47 @@ class Engine:
         """One decode step of several sequences in one batched forward (norms, projections, MLP and
         lm_head over all rows; attention per sequence over its own cache and sparse decoder). Each
         sequence samples its next token with its own settings; the step's time adds to every
-        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check."""
+        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check.
+
+        A sequence's failure is its own: when its sparse selection, its sampling or its loop repair
+        raises, the exception goes to its ``failure`` (it samples nothing more; the scheduler ends it with
+        that error) and the step goes on for the others (a selection that raised leaves that sequence
+        attending to every row for the rest of the step: rows do not mix, so the others' logits are what
+        they would have been)."""
         with self._lock:
             start = time.perf_counter()
+            guards = [None if seq.sparse is None else SelectionGuard(seq.sparse) for seq in seqs]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
-                [seq.sparse for seq in seqs],
+                list(guards),
                 kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
-            for seq, row in zip(seqs, logits, strict=True):
-                seq.sample(row)
-                self.repair_loop(seq)
+            for seq, guard, row in zip(seqs, guards, logits, strict=True):
+                if guard is not None and guard.error is not None:
+                    self._fail_sequence(seq, guard.error, "its sparse selection")
+                    continue
+                try:
+                    seq.sample(row)
+                    self.repair_loop(seq)
+                except Exception as exc:
+                    self._fail_sequence(seq, exc, "sampling or loop repair")
             elapsed = time.perf_counter() - start
             for seq in seqs:
                 seq.decode_s += elapsed
             return logits
+
+    @staticmethod
+    def _fail_sequence(seq: Sequence, exc: BaseException, where: str) -> None:
+        """Record what ended ``seq`` alone in a batched step (logged; the scheduler ends it)."""
+        seq.failure = exc
+        log.warning(
+            "a sequence failed in %s (%s: %s); the other sequences of the step go on",
+            where,
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, ValueError),
+        )
 
     def repair_loop(self, seq: Sequence) -> bool:
         """If ``seq``'s answer (decoded from inexact reused KV) has started to repeat itself, recompute its
@@ -660,6 +685,27 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+class SelectionGuard:
+    """A sequence's sparse decoder as the runtime's key gatherer, with its failure kept to itself: the
+    first exception its ``gather`` raises is kept in :attr:`error`, and from then on (that layer
+    included) the sequence attends to every row (``None``), so one sequence's failed selection does not
+    fail the batched step of the others."""
+
+    def __init__(self, decoder: SparseDecoder) -> None:
+        self.decoder = decoder
+        self.error: BaseException | None = None
+
+    def gather(self, layer: int, q_rot: Tensor, cache: Any) -> Any:
+        """The decoder's rows for ``layer`` (see :meth:`SparseDecoder.gather`), or None once it failed."""
+        if self.error is not None:
+            return None
+        try:
+            return self.decoder.gather(layer, q_rot, cache)
+        except Exception as exc:
+            self.error = exc
+            return None
 
 
 def _until_stop(stream: TextStream, on_token: TokenCallback | None) -> TokenCallback:
