@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -55,6 +55,9 @@ from semkv.store.entry import KVShape
 from semkv.store.keys import Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from semkv.store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +179,55 @@ class Engine:
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    # -- what other modules read of the engine (they never reach into ctx / runtime / store / config) --
+    @property
+    def home(self) -> Path:
+        """The engine's home folder (cached prompts, profiles, converted models)."""
+        return self.config.home_path
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (prefix reuse, sparse selection)."""
+        return self.config.block_size
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype KV is stored in, by name ("float16", ...)."""
+        return self.config.kv_dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the runtime computes in, by name ("float32", "bfloat16", ...)."""
+        return str(self.runtime.compute_dtype).removeprefix("torch.")
+
+    @property
+    def store_secret(self) -> bytes | None:
+        """The deployment's store secret (UTF-8), or None: what signs records shared through the store."""
+        secret = self.config.store.secret
+        return None if secret is None else secret.encode("utf-8")
+
+    def redis_tier(self) -> RedisTier | None:
+        """The store's Redis tier (its health, its records), or None when the store has none."""
+        from semkv.store.redis_tier import RedisTier
+
+        tier = self.store.tier("redis")
+        return tier if isinstance(tier, RedisTier) else None
+
+    def store_for_metrics(self) -> KVStore:
+        """The KV store, to read its counters at a metrics scrape (stats, tiers, write-behind queue)."""
+        return self.store
+
+    def delete_stored(self, keys: list[str]) -> None:
+        """Remove these entries (chunk keys, block keys) from every tier of the store."""
+        with self._lock:
+            for key in keys:
+                self.store.delete(key)
+
+    def twin(self, **changes: Any) -> Engine:
+        """Another engine over the same weights and tokenizer, its config changed by ``changes``
+        (e.g. ``compute_dtype="bfloat16"``)."""
+        return Engine(replace(self.config, **changes), self.hf_model, self.tokenizer, self.name)
 
     def share_index_folder(self) -> Path | None:
         """``<home>/share_index/<fingerprint[:16]>`` when the store keeps a disk tier, else None (the

@@ -176,14 +176,10 @@ class ServerState:
         self.model_name = config.model_name or str(engine.name)
         self.created = int(time.time())
         self.loop = EngineLoop(engine, config.max_queue, self.observe_step)
-        redis = engine.store.tier("redis")
-        self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
-        folder = config.documents_dir or Path(engine.config.home_path) / "documents"
-        secret = engine.config.store.secret
-        self.documents = DocumentRegistry(
-            folder, self.redis, None if secret is None else secret.encode("utf-8")
-        )
-        self.metrics = ServerMetrics(lambda: self.engine.store, self.failure_counts)
+        self.redis: RedisTier | None = engine.redis_tier()
+        folder = config.documents_dir or Path(engine.home) / "documents"
+        self.documents = DocumentRegistry(folder, self.redis, engine.store_secret)
+        self.metrics = ServerMetrics(self.engine.store_for_metrics, self.failure_counts)
 
     def failure_counts(self) -> dict[str, int]:
         """Background work that failed without failing a request (for /metrics)."""
@@ -377,8 +373,7 @@ class ServerState:
         request holds the chunk meanwhile)."""
         doc = self.documents.delete(doc_id, namespace)
         if doc is not None:
-            for key in doc.chunk_ids:
-                self.engine.store.delete(key)
+            self.engine.delete_stored(list(doc.chunk_ids))
         return doc
 
 
