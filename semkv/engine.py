@@ -224,6 +224,12 @@ class Engine:
             for key in keys:
                 self.store.delete(key)
 
+    def wait_stored(self, keys: list[str], timeout_s: float | None = None) -> bool:
+        """Wait until these entries (e.g. a document's chunk keys from :meth:`add_chunks`) are in every
+        tier of the store, not only queued for the tiers below memory; False on timeout. Does not hold
+        the engine's lock: call it off the engine thread, which goes on meanwhile."""
+        return self.store.wait_written(keys, timeout_s)
+
     def twin(self, **changes: Any) -> Engine:
         """Another engine over the same weights and tokenizer, its config changed by ``changes``
         (e.g. ``compute_dtype="bfloat16"``)."""

@@ -30,8 +30,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from semkv.scheduler import DeadlineExceeded, StepOutput, StepStats
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
-from semkv.server.documents import Document, DocumentRegistry
+from semkv.server.documents import Document, DocumentRegistry, document_id
 from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
 from semkv.server.metrics import ServerMetrics
 from semkv.server.options import RESERVED_OPTIONS, check_engine_options, engine_option_names
@@ -80,6 +80,7 @@ PUBLIC_STATS = frozenset(
         "sparse_reselect_every",
     }
 )
+API_PAGES = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # need a key like /v1
 PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state
 ENDPOINTS = (
     "/v1/completions",
@@ -104,7 +105,14 @@ class ServerConfig:
         (which path reused how much, share references, refusal reasons). For trusted clients only.
     max_queue: requests waiting or running before a 429.
     request_timeout_s: each request's deadline from its arrival: a request not finished by then ends
-        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step.
+        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step; a
+        document upload is checked before each document and while it waits for the engine.
+    max_documents_per_tenant / max_document_tokens_per_tenant: documents a tenant may have uploaded to
+        this server (its namespaces and what it shared), by count and by tokens; an upload beyond them
+        is a 429 "document_quota_exceeded" (None: no limit).
+    body_timeout_s: a request body not received whole this long after its headers is a 408 (a slow
+        client holds no connection for longer); the headers' own timeout is the HTTP server's
+        (:func:`semkv.server.http.header_timeout_protocol`).
     """
 
     model_name: str | None = None
@@ -118,8 +126,17 @@ class ServerConfig:
     api_keys: APIKeys | None = None
     debug_stats: bool = False
     request_timeout_s: float = 300.0
+    max_documents_per_tenant: int | None = 1024
+    max_document_tokens_per_tenant: int | None = 4_000_000
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("max_documents_per_tenant", "max_document_tokens_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError(f"request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
         if self.max_queue < 1:
@@ -179,6 +196,8 @@ class ServerState:
         self.redis: RedisTier | None = engine.redis_tier()
         folder = config.documents_dir or Path(engine.home) / "documents"
         self.documents = DocumentRegistry(folder, self.redis, engine.store_secret)
+        self.documents.load_all()
+        self.uploading: dict[str, tuple[int, int]] = {}  # tenant -> (documents, tokens) being uploaded
         self.metrics = ServerMetrics(self.engine.store_for_metrics, self.failure_counts)
 
     def failure_counts(self) -> dict[str, int]:
@@ -343,8 +362,48 @@ class ServerState:
         finish = "length" if output.finish_reason == "length" else "stop"
         return GenerationResult(generation.text, list(generation.token_ids), generation.stats, finish, ttft)
 
-    def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
-        counts = self.engine.count_tokens(texts)
+    async def add_documents(
+        self, texts: list[str], namespace: Namespace, owner: str, http: Request, started: float
+    ) -> list[Document]:
+        """Upload documents like a request: each document's KV is computed by its own job on the engine
+        thread (decode steps of running requests go on between documents); before each one and while
+        it waits, a client that left or a deadline (``request_timeout_s`` from ``started``) that passed
+        ends the upload (nothing is registered; what is being computed finishes, nothing more starts).
+        The tenant's quota (documents and tokens) is checked before any KV is computed. Answers once
+        every document's KV is in every tier of the store (a server sharing the Redis tier reuses it
+        from then on), then registers the records."""
+        deadline = started + self.config.request_timeout_s
+        counts = await self.engine_job(lambda: self.engine.count_tokens(texts), http, deadline)
+        self.check_document_sizes(counts)
+        new = [
+            (t, n)
+            for t, n in dict(zip(texts, counts, strict=True)).items()
+            if not self.documents.known(document_id(t), namespace)
+        ]
+        with self.document_quota(owner, len(new), sum(n for _, n in new)):
+            blend = self.server_blend()
+            chunk_ids: list[str] = []
+            for text in texts:  # chunks are precomputed the way the server's default blend looks them up
+                keys = await self.engine_job(
+                    lambda t=text: self.engine.add_chunks([t], blend, namespace), http, deadline
+                )
+                chunk_ids += [str(key) for key in keys]
+            left = max(0.0, deadline - time.perf_counter())
+            if not await run_in_threadpool(self.engine.wait_stored, chunk_ids, left):
+                raise APIError(
+                    504, "the documents' KV was not stored within the deadline", None, "deadline_exceeded"
+                )
+            shared = namespace == Namespace.shared()
+            docs = [
+                DocumentRegistry.new(t, n, [c], shared, owner)
+                for t, n, c in zip(texts, counts, chunk_ids, strict=True)
+            ]
+            await run_in_threadpool(self.register, docs, namespace)
+        self.metrics.document_tokens.inc(sum(counts))
+        self.metrics.documents.inc(len(docs))
+        return docs
+
+    def check_document_sizes(self, counts: list[int]) -> None:
         for i, n in enumerate(counts):
             if n == 0:
                 raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
@@ -355,18 +414,67 @@ class ServerState:
                     "input",
                     "context_length_exceeded",
                 )
-        # Chunks are precomputed the way the server's default blend settings will look them up.
-        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, self.server_blend(), namespace)]
-        self.metrics.document_tokens.inc(sum(counts))
-        shared = namespace == Namespace.shared()
-        docs = [
-            DocumentRegistry.new(t, n, [c], shared, owner)
-            for t, n, c in zip(texts, counts, chunk_ids, strict=True)
-        ]
+
+    def register(self, docs: list[Document], namespace: Namespace) -> None:
         for doc in docs:
             self.documents.put(doc, namespace)
-        self.metrics.documents.inc(len(docs))
-        return docs
+
+    @contextmanager
+    def document_quota(self, owner: str, documents: int, tokens: int) -> Iterator[None]:
+        """Hold ``documents`` / ``tokens`` of ``owner``'s quota while its upload runs; a 429 if they do not
+        fit beside what it has and what its other uploads hold. Called on the event loop (no race)."""
+        have, have_tokens = self.documents.usage(owner)
+        held, held_tokens = self.uploading.get(owner, (0, 0))
+        limits = (
+            (self.config.max_documents_per_tenant, have + held + documents, "documents"),
+            (
+                self.config.max_document_tokens_per_tenant,
+                have_tokens + held_tokens + tokens,
+                "document tokens",
+            ),
+        )
+        for limit, total, what in limits:
+            if limit is not None and total > limit:
+                raise APIError(
+                    429,
+                    f"this upload would bring the tenant to {total} {what}; its quota is {limit} (delete "
+                    "documents to make room)",
+                    "input",
+                    "document_quota_exceeded",
+                )
+        self.uploading[owner] = (held + documents, held_tokens + tokens)
+        try:
+            yield
+        finally:
+            held, held_tokens = self.uploading.pop(owner, (0, 0))
+            if held - documents > 0 or held_tokens - tokens > 0:
+                self.uploading[owner] = (held - documents, held_tokens - tokens)
+
+    async def engine_job(self, job: Callable[[], Any], http: Request, deadline: float) -> Any:
+        """``job`` on the engine thread between steps; a client that leaves (:class:`ClientGone`) or a
+        deadline that passes (504) while it waits cancels it if it has not started (one that has
+        finishes on its own)."""
+        if time.perf_counter() >= deadline:
+            raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        if await http.is_disconnected():
+            raise ClientGone()
+        future = asyncio.wrap_future(self.loop.run_job(job))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await http.is_disconnected():
+                future.cancel()
+                raise ClientGone()
+            if time.perf_counter() >= deadline:
+                future.cancel()
+                raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        try:
+            return future.result()
+        except APIError:
+            raise
+        except Exception as exc:
+            raise map_engine_error(exc) from exc
 
     def delete_document(self, doc_id: str, namespace: Namespace) -> Document | None:
         """Remove a document's record and its chunk KV from every tier (on the engine thread, so no
@@ -459,7 +567,7 @@ class GuardMiddleware:
     def _authenticate(self, scope: dict, path: str) -> Response | None:
         """Leave the caller in ``scope["state"]``; a 401 / 403 response when it may not go on."""
         keys = self.state.config.api_keys
-        guarded = path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+        guarded = path.startswith("/v1/") or path in ("/v1", "/metrics", *API_PAGES)
         principal: Principal | None = ANONYMOUS
         if keys is not None and guarded:
             headers = dict(scope.get("headers") or [])
@@ -495,8 +603,14 @@ class GuardMiddleware:
             return too_large, receive
         parts: list[bytes] = []
         size = 0
+        deadline = time.perf_counter() + self.state.config.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                timeout = self.state.config.body_timeout_s
+                body = error_body(408, f"request body not received within {timeout:g} s", None, "timeout")
+                return SafeJSONResponse(body, status_code=408, headers={"Connection": "close"}), receive
             if message["type"] != "http.request":  # the client went away: let the app see it
                 return None, _replay(b"".join(parts), receive, first=message)
             chunk = message.get("body", b"")
@@ -573,22 +687,27 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/documents")
     async def add_documents(body: DocumentRequest, request: Request) -> dict[str, Any]:
+        started = time.perf_counter()
         principal = state.principal(request)
         if body.shared and not principal.can_publish:
             raise APIError(
                 403, "this API key may not publish shared documents", "shared", "permission_denied"
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
-        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
+        docs = await state.add_documents(body.texts, namespace, principal.tenant, request, started)
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
-    def list_documents(request: Request, cache_salt: str | None = None) -> dict[str, Any]:
-        # sync: reads disk / Redis off the event loop
+    def list_documents(
+        request: Request, cache_salt: str | None = None, limit: str = "20", after: str | None = None
+    ) -> dict[str, Any]:
+        """The caller's documents, then the shared ones, oldest first, a page of ``limit`` (1..100) after
+        the document ``after`` (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``).
+        Sync: reads disk / Redis off the event loop."""
         namespace = state.namespace(state.principal(request), _salt(cache_salt))
         mine = state.documents.list(namespace)
         shared = [] if namespace == Namespace.shared() else state.documents.list(Namespace.shared())
-        return {"object": "list", "data": [d.summary() for d in mine + shared]}
+        return _page([d.summary() for d in mine + shared], _limit(limit), after)
 
     @app.get("/v1/documents/{doc_id}")
     def get_document(doc_id: str, request: Request, cache_salt: str | None = None) -> dict[str, Any]:
@@ -708,6 +827,34 @@ def _usage(results: list[GenerationResult]) -> dict[str, int]:
     prompt = sum(int(r.stats.get("prompt_tokens", 0)) for r in results)
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+MAX_PAGE = 100
+
+
+def _limit(value: str) -> int:
+    """A list's ``limit`` query parameter: an integer in 1..MAX_PAGE (a 400 otherwise)."""
+    if not value.isdigit() or not 1 <= int(value) <= MAX_PAGE:
+        raise APIError(400, f"limit must be an integer in 1..{MAX_PAGE}, got {value[:20]!r}", "limit")
+    return int(value)
+
+
+def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
+    """OpenAI's list page: ``limit`` items after the one whose id is ``after`` (a 400 if none is)."""
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no document {after[:60]!r} in this list", "after", "invalid_value")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    }
 
 
 def _salt(value: str | None) -> str | None:
