@@ -16,7 +16,9 @@ from fastapi.testclient import TestClient
 
 from tests.server.conftest import TINY
 
-LONG_PROMPT = " ".join(f"Line {i} of the ship's log: wind {i % 9} knots, course {i * 37 % 360}." for i in range(90))
+LONG_PROMPT = " ".join(
+    f"Line {i} of the ship's log: wind {i % 9} knots, course {i * 37 % 360}." for i in range(90)
+)
 DOCUMENT = " ".join(
     f"The lighthouse keeper's note {i}: the lamp was lit at {18 + i % 4} o'clock and the sea was calm."
     for i in range(12)
