@@ -10,16 +10,20 @@ that goes away (streaming or not) frees its sequence at the next step.
 
 Security lives here, in the request-handling layer (not in the engine's worker):
 
-* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route and ``/metrics`` need
-  ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
+* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route, ``/metrics`` and the OpenAPI
+  pages (``/openapi.json``, ``/docs``, ``/redoc``) need ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
   are its namespace: every store key, the share index and the document registry are scoped by it.
 * **What a response tells.** Stats that describe other requests' data (which path reused what, how
   many tokens an exact prefix or a shared prompt covered, why a path was refused, share references)
   are only returned with ``ServerConfig.debug_stats``; by default a response carries its own
   token counts and timings only.
-* **Limits.** The request body is limited by the bytes received (chunked bodies included), every
+* **Limits.** The request body is limited by the bytes received (chunked bodies included) and by the
+  time it takes to arrive (a 408; slow headers are the HTTP server's: :mod:`semkv.server.http`), every
   engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
   by the scheduler at every step: a 504, or an SSE error event once streaming), and a 500 never carries internal exception text.
+* **Uploads.** ``POST /v1/documents`` computes one document per engine job (running streams decode
+  between documents), stops when its client leaves or its deadline passes, counts against the tenant's
+  document quota (count and tokens: a 429), and answers once the documents' KV is in every store tier.
 """
 
 from __future__ import annotations
@@ -528,8 +532,8 @@ class GuardMiddleware:
       valid key; 403 on ``/metrics`` for a key without the ``metrics`` permission) and leaves the
       caller in the scope's state;
     * reads the whole request body and refuses it with a 413 as soon as more bytes arrived than
-      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none); the app
-      then receives the body it read.
+      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none), or with a 408
+      when it has not arrived whole within ``body_timeout_s``; the app then receives the body it read.
     """
 
     def __init__(self, app: Any, state: ServerState) -> None:
