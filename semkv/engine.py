@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -59,6 +59,9 @@ from semkv.store.keys import EntryKey, Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
 from semkv.tokenizer_pool import TokenizerPool, max_chars_per_token
+
+if TYPE_CHECKING:
+    from semkv.store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +189,61 @@ class Engine:
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    # -- what other modules read of the engine (they never reach into ctx / runtime / store / config) --
+    @property
+    def home(self) -> Path:
+        """The engine's home folder (cached prompts, profiles, converted models)."""
+        return self.config.home_path
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (prefix reuse, sparse selection)."""
+        return self.config.block_size
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype KV is stored in, by name ("float16", ...)."""
+        return self.config.kv_dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the runtime computes in, by name ("float32", "bfloat16", ...)."""
+        return str(self.runtime.compute_dtype).removeprefix("torch.")
+
+    @property
+    def store_secret(self) -> bytes | None:
+        """The deployment's store secret (UTF-8), or None: what signs records shared through the store."""
+        secret = self.config.store.secret
+        return None if secret is None else secret.encode("utf-8")
+
+    def redis_tier(self) -> RedisTier | None:
+        """The store's Redis tier (its health, its records), or None when the store has none."""
+        from semkv.store.redis_tier import RedisTier
+
+        tier = self.store.tier("redis")
+        return tier if isinstance(tier, RedisTier) else None
+
+    def store_for_metrics(self) -> KVStore:
+        """The KV store, to read its counters at a metrics scrape (stats, tiers, write-behind queue)."""
+        return self.store
+
+    def delete_stored(self, keys: list[str]) -> None:
+        """Remove these entries (chunk keys, block keys) from every tier of the store."""
+        with self._lock:
+            for key in keys:
+                self.store.delete(key)
+
+    def wait_stored(self, keys: list[str], timeout_s: float | None = None) -> bool:
+        """Wait until these entries (e.g. a document's chunk keys from :meth:`add_chunks`) are in every
+        tier of the store, not only queued for the tiers below memory; False on timeout. Does not hold
+        the engine's lock: call it off the engine thread, which goes on meanwhile."""
+        return self.store.wait_written(keys, timeout_s)
+
+    def twin(self, **changes: Any) -> Engine:
+        """Another engine over the same weights and tokenizer, its config changed by ``changes``
+        (e.g. ``compute_dtype="bfloat16"``)."""
+        return Engine(replace(self.config, **changes), self.hf_model, self.tokenizer, self.name)
 
     def share_index_folder(self) -> Path | None:
         """``<home>/share_index/<fingerprint[:16]>`` when the store keeps a disk tier, else None (the
@@ -468,22 +526,47 @@ class Engine:
         """One decode step of several sequences in one batched forward (norms, projections, MLP and
         lm_head over all rows; attention per sequence over its own cache and sparse decoder). Each
         sequence samples its next token with its own settings; the step's time adds to every
-        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check."""
+        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check.
+
+        A sequence's failure is its own: when its sparse selection, its sampling or its loop repair
+        raises, the exception goes to its ``failure`` (it samples nothing more; the scheduler ends it with
+        that error) and the step goes on for the others (a selection that raised leaves that sequence
+        attending to every row for the rest of the step: rows do not mix, so the others' logits are what
+        they would have been)."""
         with self._lock:
             start = time.perf_counter()
+            guards = [None if seq.sparse is None else SelectionGuard(seq.sparse) for seq in seqs]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
-                [seq.sparse for seq in seqs],
+                list(guards),
                 kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
-            for seq, row in zip(seqs, logits, strict=True):
-                seq.sample(row)
-                self.repair_loop(seq)
+            for seq, guard, row in zip(seqs, guards, logits, strict=True):
+                if guard is not None and guard.error is not None:
+                    self._fail_sequence(seq, guard.error, "its sparse selection")
+                    continue
+                try:
+                    seq.sample(row)
+                    self.repair_loop(seq)
+                except Exception as exc:
+                    self._fail_sequence(seq, exc, "sampling or loop repair")
             elapsed = time.perf_counter() - start
             for seq in seqs:
                 seq.decode_s += elapsed
             return logits
+
+    @staticmethod
+    def _fail_sequence(seq: Sequence, exc: BaseException, where: str) -> None:
+        """Record what ended ``seq`` alone in a batched step (logged; the scheduler ends it)."""
+        seq.failure = exc
+        log.warning(
+            "a sequence failed in %s (%s: %s); the other sequences of the step go on",
+            where,
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, ValueError),
+        )
 
     def repair_loop(self, seq: Sequence) -> bool:
         """If ``seq``'s answer (decoded from inexact reused KV) has started to repeat itself, recompute its
@@ -725,6 +808,27 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+class SelectionGuard:
+    """A sequence's sparse decoder as the runtime's key gatherer, with its failure kept to itself: the
+    first exception its ``gather`` raises is kept in :attr:`error`, and from then on (that layer
+    included) the sequence attends to every row (``None``), so one sequence's failed selection does not
+    fail the batched step of the others."""
+
+    def __init__(self, decoder: SparseDecoder) -> None:
+        self.decoder = decoder
+        self.error: BaseException | None = None
+
+    def gather(self, layer: int, q_rot: Tensor, cache: Any) -> Any:
+        """The decoder's rows for ``layer`` (see :meth:`SparseDecoder.gather`), or None once it failed."""
+        if self.error is not None:
+            return None
+        try:
+            return self.decoder.gather(layer, q_rot, cache)
+        except Exception as exc:
+            self.error = exc
+            return None
 
 
 def _until_stop(stream: TextStream, on_token: TokenCallback | None) -> TokenCallback:

@@ -74,6 +74,11 @@ class RunningSequence(Protocol):
     @property
     def finish_reason(self) -> str | None: ...
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended this sequence alone in a batched decode step (None while it is fine)."""
+        ...
+
     def emit_pending(self, on_token: TokenCallback | None) -> None:
         """Hand the tokens not yet emitted to ``on_token``; a callback returning False stops the sequence."""
         ...
@@ -484,13 +489,20 @@ class Scheduler(Generic[S, J]):
         self.prefilling.remove(entry)
         entry.job = None
         self.running.append(entry)
-        output = self._emit(entry)
+        try:
+            output = self._emit(entry)
+        except Exception as exc:  # its first token's stop check: this request ends alone
+            self._end_alone(entry, exc, outputs)
+            return 1, tokens
         try:
             self.runner.store_prefill(entry.seq)
             self._stored += 1
         except Exception as exc:  # storing is an optimisation for later requests, never this one's failure
             log.warning("storing the prefill of %s failed: %s", entry.request_id, exc)
-        self._settle(entry, output, outputs)
+        try:
+            self._settle(entry, output, outputs)
+        except Exception as exc:
+            self._end_alone(entry, exc, outputs)
         return 1, tokens
 
     def _fail_prefill(self, entry: _Entry[S, J], exc: Exception, outputs: list[StepOutput]) -> None:
@@ -501,6 +513,10 @@ class Scheduler(Generic[S, J]):
         self._end(entry, "error", outputs, exc, started=False)
 
     def _decode(self, batch: list[_Entry[S, J]], outputs: list[StepOutput]) -> None:
+        """One batched decode of ``batch``. A sequence that failed alone in it (``seq.failure``: its
+        sampling, loop repair or sparse selection raised) ends with that error, as does one whose stop
+        check or result raises (:meth:`_settle_alone`); the others go on. Only a step that fails as a
+        whole ends every entry of it."""
         try:
             self.runner.decode_batch([e.seq for e in batch if e.seq is not None])
         except Exception as exc:
@@ -509,7 +525,24 @@ class Scheduler(Generic[S, J]):
                 self._end(entry, "error", outputs, exc)
             return
         for entry in batch:
+            failure = entry.seq.failure if entry.seq is not None else None
+            if failure is not None:
+                self._end(entry, "error", outputs, failure)
+            else:
+                self._settle_alone(entry, outputs)
+
+    def _settle_alone(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> None:
+        """Emit and settle one entry after a decode step; if that raises (its stop check, its
+        detokenizer, its result), the entry alone ends with the error."""
+        try:
             self._settle(entry, self._emit(entry), outputs)
+        except Exception as exc:
+            self._end_alone(entry, exc, outputs)
+
+    def _end_alone(self, entry: _Entry[S, J], exc: Exception, outputs: list[StepOutput]) -> None:
+        """End one entry whose own output handling raised (no result is built: that may be what raised)."""
+        log.warning("ending %s: %s: %s", entry.request_id, type(exc).__name__, exc, exc_info=exc)
+        self._end(entry, "error", outputs, exc, started=False)
 
     def _emit(self, entry: _Entry[S, J]) -> StepOutput:
         """The tokens and text the sequence produced since the last emit."""

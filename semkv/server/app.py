@@ -10,8 +10,8 @@ that goes away (streaming or not) frees its sequence at the next step.
 
 Security lives here, in the request-handling layer (not in the engine's worker):
 
-* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route and ``/metrics`` need
-  ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
+* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route, ``/metrics`` and the OpenAPI
+  pages (``/openapi.json``, ``/docs``, ``/redoc``) need ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
   are its namespace: every store key, the share index and the document registry are scoped by it.
 * **What a response tells.** Stats that describe other requests' data (which path reused what, how
   many tokens an exact prefix or a shared prompt covered, why a path was refused, share references)
@@ -23,9 +23,13 @@ Security lives here, in the request-handling layer (not in the engine's worker):
   (:meth:`Engine.max_prompt_chars <semkv.engine.Engine.max_prompt_chars>`) before it is tokenized, and it
   is tokenized on a worker thread with a private tokenizer copy, without the engine's lock: a huge prompt
   is a 400 in milliseconds and never stalls the engine thread.
-* **Limits.** The request body is limited by the bytes received (chunked bodies included), every
+* **Limits.** The request body is limited by the bytes received (chunked bodies included) and by the
+  time it takes to arrive (a 408; slow headers are the HTTP server's: :mod:`semkv.server.http`), every
   engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
   by the scheduler at every step: a 504, or an SSE error event once streaming), and a 500 never carries internal exception text.
+* **Uploads.** ``POST /v1/documents`` computes one document per engine job (running streams decode
+  between documents), stops when its client leaves or its deadline passes, counts against the tenant's
+  document quota (count and tokens: a 429), and answers once the documents' KV is in every store tier.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,7 @@ from semkv.request import GenerateRequest, ResolvedRequest
 from semkv.reuse.options import BlendConfig
 from semkv.scheduler import DeadlineExceeded, StepOutput, StepStats
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
-from semkv.server.documents import Document, DocumentRegistry
+from semkv.server.documents import Document, DocumentRegistry, document_id
 from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
 from semkv.server.metrics import ServerMetrics
 from semkv.server.options import RESERVED_OPTIONS, check_engine_options, engine_option_names
@@ -88,6 +92,7 @@ PUBLIC_STATS = frozenset(
         "sparse_reselect_every",
     }
 )
+API_PAGES = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # need a key like /v1
 PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state
 # A request body at least this large leaves transient copies (bytes, parsed text, validation) worth
 # returning to the OS once it is answered (:func:`semkv.host_memory.give_back_freed_memory`).
@@ -115,7 +120,14 @@ class ServerConfig:
         (which path reused how much, share references, refusal reasons). For trusted clients only.
     max_queue: requests waiting or running before a 429.
     request_timeout_s: each request's deadline from its arrival: a request not finished by then ends
-        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step.
+        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step; a
+        document upload is checked before each document and while it waits for the engine.
+    max_documents_per_tenant / max_document_tokens_per_tenant: documents a tenant may have uploaded to
+        this server (its namespaces and what it shared), by count and by tokens; an upload beyond them
+        is a 429 "document_quota_exceeded" (None: no limit).
+    body_timeout_s: a request body not received whole this long after its headers is a 408 (a slow
+        client holds no connection for longer); the headers' own timeout is the HTTP server's
+        (:func:`semkv.server.http.header_timeout_protocol`).
     """
 
     model_name: str | None = None
@@ -129,8 +141,17 @@ class ServerConfig:
     api_keys: APIKeys | None = None
     debug_stats: bool = False
     request_timeout_s: float = 300.0
+    max_documents_per_tenant: int | None = 1024
+    max_document_tokens_per_tenant: int | None = 4_000_000
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("max_documents_per_tenant", "max_document_tokens_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError(f"request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
         if self.max_queue < 1:
@@ -202,14 +223,12 @@ class ServerState:
         self.model_name = config.model_name or str(engine.name)
         self.created = int(time.time())
         self.loop = EngineLoop(engine, config.max_queue, self.observe_step)
-        redis = engine.store.tier("redis")
-        self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
-        folder = config.documents_dir or Path(engine.config.home_path) / "documents"
-        secret = engine.config.store.secret
-        self.documents = DocumentRegistry(
-            folder, self.redis, None if secret is None else secret.encode("utf-8")
-        )
-        self.metrics = ServerMetrics(lambda: self.engine.store, self.failure_counts)
+        self.redis: RedisTier | None = engine.redis_tier()
+        folder = config.documents_dir or Path(engine.home) / "documents"
+        self.documents = DocumentRegistry(folder, self.redis, engine.store_secret)
+        self.documents.load_all()
+        self.uploading: dict[str, tuple[int, int]] = {}  # tenant -> (documents, tokens) being uploaded
+        self.metrics = ServerMetrics(self.engine.store_for_metrics, self.failure_counts)
 
     def failure_counts(self) -> dict[str, int]:
         """Background work that failed without failing a request (for /metrics)."""
@@ -397,8 +416,48 @@ class ServerState:
                     "context_length_exceeded",
                 )
 
-    def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
-        counts = self.engine.count_tokens(texts)
+    async def add_documents(
+        self, texts: list[str], namespace: Namespace, owner: str, http: Request, started: float
+    ) -> list[Document]:
+        """Upload documents like a request: each document's KV is computed by its own job on the engine
+        thread (decode steps of running requests go on between documents); before each one and while
+        it waits, a client that left or a deadline (``request_timeout_s`` from ``started``) that passed
+        ends the upload (nothing is registered; what is being computed finishes, nothing more starts).
+        The tenant's quota (documents and tokens) is checked before any KV is computed. Answers once
+        every document's KV is in every tier of the store (a server sharing the Redis tier reuses it
+        from then on), then registers the records."""
+        deadline = started + self.config.request_timeout_s
+        counts = await self.engine_job(lambda: self.engine.count_tokens(texts), http, deadline)
+        self.check_document_sizes(counts)
+        new = [
+            (t, n)
+            for t, n in dict(zip(texts, counts, strict=True)).items()
+            if not self.documents.known(document_id(t), namespace)
+        ]
+        with self.document_quota(owner, len(new), sum(n for _, n in new)):
+            blend = self.server_blend()
+            chunk_ids: list[str] = []
+            for text in texts:  # chunks are precomputed the way the server's default blend looks them up
+                keys = await self.engine_job(
+                    lambda t=text: self.engine.add_chunks([t], blend, namespace), http, deadline
+                )
+                chunk_ids += [str(key) for key in keys]
+            left = max(0.0, deadline - time.perf_counter())
+            if not await run_in_threadpool(self.engine.wait_stored, chunk_ids, left):
+                raise APIError(
+                    504, "the documents' KV was not stored within the deadline", None, "deadline_exceeded"
+                )
+            shared = namespace == Namespace.shared()
+            docs = [
+                DocumentRegistry.new(t, n, [c], shared, owner)
+                for t, n, c in zip(texts, counts, chunk_ids, strict=True)
+            ]
+            await run_in_threadpool(self.register, docs, namespace)
+        self.metrics.document_tokens.inc(sum(counts))
+        self.metrics.documents.inc(len(docs))
+        return docs
+
+    def check_document_sizes(self, counts: list[int]) -> None:
         for i, n in enumerate(counts):
             if n == 0:
                 raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
@@ -409,26 +468,74 @@ class ServerState:
                     "input",
                     "context_length_exceeded",
                 )
-        # Chunks are precomputed the way the server's default blend settings will look them up.
-        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, self.server_blend(), namespace)]
-        self.metrics.document_tokens.inc(sum(counts))
-        shared = namespace == Namespace.shared()
-        docs = [
-            DocumentRegistry.new(t, n, [c], shared, owner)
-            for t, n, c in zip(texts, counts, chunk_ids, strict=True)
-        ]
+
+    def register(self, docs: list[Document], namespace: Namespace) -> None:
         for doc in docs:
             self.documents.put(doc, namespace)
-        self.metrics.documents.inc(len(docs))
-        return docs
+
+    @contextmanager
+    def document_quota(self, owner: str, documents: int, tokens: int) -> Iterator[None]:
+        """Hold ``documents`` / ``tokens`` of ``owner``'s quota while its upload runs; a 429 if they do not
+        fit beside what it has and what its other uploads hold. Called on the event loop (no race)."""
+        have, have_tokens = self.documents.usage(owner)
+        held, held_tokens = self.uploading.get(owner, (0, 0))
+        limits = (
+            (self.config.max_documents_per_tenant, have + held + documents, "documents"),
+            (
+                self.config.max_document_tokens_per_tenant,
+                have_tokens + held_tokens + tokens,
+                "document tokens",
+            ),
+        )
+        for limit, total, what in limits:
+            if limit is not None and total > limit:
+                raise APIError(
+                    429,
+                    f"this upload would bring the tenant to {total} {what}; its quota is {limit} (delete "
+                    "documents to make room)",
+                    "input",
+                    "document_quota_exceeded",
+                )
+        self.uploading[owner] = (held + documents, held_tokens + tokens)
+        try:
+            yield
+        finally:
+            held, held_tokens = self.uploading.pop(owner, (0, 0))
+            if held - documents > 0 or held_tokens - tokens > 0:
+                self.uploading[owner] = (held - documents, held_tokens - tokens)
+
+    async def engine_job(self, job: Callable[[], Any], http: Request, deadline: float) -> Any:
+        """``job`` on the engine thread between steps; a client that leaves (:class:`ClientGone`) or a
+        deadline that passes (504) while it waits cancels it if it has not started (one that has
+        finishes on its own)."""
+        if time.perf_counter() >= deadline:
+            raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        if await http.is_disconnected():
+            raise ClientGone()
+        future = asyncio.wrap_future(self.loop.run_job(job))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await http.is_disconnected():
+                future.cancel()
+                raise ClientGone()
+            if time.perf_counter() >= deadline:
+                future.cancel()
+                raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        try:
+            return future.result()
+        except APIError:
+            raise
+        except Exception as exc:
+            raise map_engine_error(exc) from exc
 
     def delete_document(self, doc_id: str, namespace: Namespace) -> Document | None:
         """Remove a document's record and its chunk KV from every tier (on the engine thread, so no
         request holds the chunk meanwhile)."""
         doc = self.documents.delete(doc_id, namespace)
         if doc is not None:
-            for key in doc.chunk_ids:
-                self.engine.store.delete(key)
+            self.engine.delete_stored(list(doc.chunk_ids))
         return doc
 
 
@@ -475,8 +582,8 @@ class GuardMiddleware:
       valid key; 403 on ``/metrics`` for a key without the ``metrics`` permission) and leaves the
       caller in the scope's state;
     * reads the whole request body and refuses it with a 413 as soon as more bytes arrived than
-      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none); the app
-      then receives the body it read;
+      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none), or with a 408
+      when it has not arrived whole within ``body_timeout_s``; the app then receives the body it read;
     * after a request whose body had :data:`TRIM_AFTER_BODY_BYTES` or more, gives the memory its copies
       used back to the OS (on a worker thread), so a burst of huge bodies leaves the resident set where
       it was.
@@ -521,7 +628,7 @@ class GuardMiddleware:
     def _authenticate(self, scope: dict, path: str) -> Response | None:
         """Leave the caller in ``scope["state"]``; a 401 / 403 response when it may not go on."""
         keys = self.state.config.api_keys
-        guarded = path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+        guarded = path.startswith("/v1/") or path in ("/v1", "/metrics", *API_PAGES)
         principal: Principal | None = ANONYMOUS
         if keys is not None and guarded:
             headers = dict(scope.get("headers") or [])
@@ -557,8 +664,14 @@ class GuardMiddleware:
             return too_large, receive, 0
         parts: list[bytes] = []
         size = 0
+        deadline = time.perf_counter() + self.state.config.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                timeout = self.state.config.body_timeout_s
+                body = error_body(408, f"request body not received within {timeout:g} s", None, "timeout")
+                return SafeJSONResponse(body, status_code=408, headers={"Connection": "close"}), receive, size
             if message["type"] != "http.request":  # the client went away: let the app see it
                 return None, _replay(b"".join(parts), receive, first=message), size
             chunk = message.get("body", b"")
@@ -635,6 +748,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/documents")
     async def add_documents(body: DocumentRequest, request: Request) -> dict[str, Any]:
+        started = time.perf_counter()
         principal = state.principal(request)
         if body.shared and not principal.can_publish:
             raise APIError(
@@ -642,16 +756,20 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
         state.check_document_chars(body.texts)
-        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
+        docs = await state.add_documents(body.texts, namespace, principal.tenant, request, started)
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
-    def list_documents(request: Request, cache_salt: str | None = None) -> dict[str, Any]:
-        # sync: reads disk / Redis off the event loop
+    def list_documents(
+        request: Request, cache_salt: str | None = None, limit: str = "20", after: str | None = None
+    ) -> dict[str, Any]:
+        """The caller's documents, then the shared ones, oldest first, a page of ``limit`` (1..100) after
+        the document ``after`` (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``).
+        Sync: reads disk / Redis off the event loop."""
         namespace = state.namespace(state.principal(request), _salt(cache_salt))
         mine = state.documents.list(namespace)
         shared = [] if namespace == Namespace.shared() else state.documents.list(Namespace.shared())
-        return {"object": "list", "data": [d.summary() for d in mine + shared]}
+        return _page([d.summary() for d in mine + shared], _limit(limit), after)
 
     @app.get("/v1/documents/{doc_id}")
     def get_document(doc_id: str, request: Request, cache_salt: str | None = None) -> dict[str, Any]:
@@ -779,6 +897,34 @@ def _usage(results: list[GenerationResult]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+MAX_PAGE = 100
+
+
+def _limit(value: str) -> int:
+    """A list's ``limit`` query parameter: an integer in 1..MAX_PAGE (a 400 otherwise)."""
+    if not value.isdigit() or not 1 <= int(value) <= MAX_PAGE:
+        raise APIError(400, f"limit must be an integer in 1..{MAX_PAGE}, got {value[:20]!r}", "limit")
+    return int(value)
+
+
+def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
+    """OpenAI's list page: ``limit`` items after the one whose id is ``after`` (a 400 if none is)."""
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no document {after[:60]!r} in this list", "after", "invalid_value")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
     }
 
 

@@ -32,9 +32,9 @@ RESERVED_OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
-    "stop": "stop",
     "tenant": "the API key (Authorization: Bearer ...)",
     "cache_salt": "cache_salt (a top-level field)",
+    "stop": "stop (a top-level field)",
 }
 SERVER_ONLY = {
     ("blend", "sink"): "the server's --default blend=... (documents are precomputed with it)",

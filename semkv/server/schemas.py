@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import numpy
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from semkv.request import MAX_NEW_TOKENS_LIMIT, MAX_STOP_CHARS
+from semkv.sequence import MIN_TEMPERATURE
 
 MAX_CONTEXT_ITEMS = 64
 MAX_STOP = 4
@@ -89,6 +91,23 @@ class SamplingFields(_Strict):
         None, max_length=MAX_SALT_CHARS, description="vLLM's per-request cache salt"
     )
     semkv: SemkvExtension | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_scale(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.4g} (float32's smallest "
+                "normal number; below it the logits cannot be scaled)"
+            )
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_representable(cls, value: float | None) -> float | None:
+        if value is not None and float(numpy.float32(value)) == 0.0:
+            raise ValueError("top_p is 0 in float32 (the sampler's precision); it must be > 1.4e-45")
+        return value
 
     @field_validator("stop")
     @classmethod

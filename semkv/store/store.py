@@ -252,6 +252,11 @@ class KVStore:
         """Wait until every write behind is done (at once without a writer); False on timeout."""
         return True if self.writer is None else self.writer.flush(timeout_s)
 
+    def wait_written(self, keys: Sequence[EntryKey], timeout_s: float | None = None) -> bool:
+        """Wait until the writes behind of ``keys`` are done: each is then in every tier that took it (at
+        once without a writer: a put writes through). False on timeout."""
+        return True if self.writer is None else self.writer.wait_for(keys, timeout_s)
+
     @contextmanager
     def pinned(self, keys: Sequence[EntryKey]) -> Iterator[None]:
         """Keep ``keys`` resident in the memory tier for the duration of the block."""
