@@ -2,7 +2,8 @@
 
 Injected: a real socket sends ``POST /v1/documents`` with 64 distinct long documents to a uvicorn server
 (tiny engine) and closes once the engine has computed 2 of them; the engine's ``add_chunks`` is wrapped to record what it computes
-(it still computes it). Must happen: the server notices the client is gone between documents and computes
+(it still computes it) and to take at least ``SLOW_DOCUMENT_S`` per document, so that the 64 documents
+outlast the disconnect on any CPU. Must happen: the server notices the client is gone between documents and computes
 no more of them (at most those started before the disconnect was seen, never all 64); none is registered;
 a request right after is served. On the old code the upload was one engine job that computed all 64
 documents and registered them after the client had left.
@@ -23,6 +24,7 @@ from tests.server.conftest import TINY
 DOCUMENTS = 64
 LEAVE_AFTER = 2  # documents computed before the client leaves
 DISCONNECT_SEEN_S = 1.0  # polls of the server (0.25 s) + one document's compute, with a margin for a busy CPU
+SLOW_DOCUMENT_S = 0.1  # injected compute time per document: 64 of them take >= 6.4 s
 
 
 def document(i: int) -> str:
@@ -54,6 +56,7 @@ def test_an_upload_stops_when_its_client_leaves(live_server, tiny_app):
 
     def recorded(texts, *args, **kwargs):
         start = time.perf_counter()
+        time.sleep(SLOW_DOCUMENT_S * len(texts))
         keys = real(texts, *args, **kwargs)
         computed.append((start, time.perf_counter(), len(texts)))
         if sum(n for _, _, n in computed) >= LEAVE_AFTER:
