@@ -3,7 +3,7 @@ host copies are explicit, and the per-layer loops never wait for the device.
 
 * :func:`test_tensor_constructors_name_a_device`: in ``semkv/models/``, ``semkv/reuse/``, ``semkv/sparse/``,
   ``engine.py``, ``scheduler.py`` and ``sequence.py``, every ``torch.tensor / zeros / ones / empty / full /
-  arange / rand* / linspace / eye / as_tensor / randperm / Generator`` call passes ``device=`` (a tensor
+  arange / rand* / linspace / logspace / eye / as_tensor / randperm / Generator`` call passes ``device=`` (a tensor
   made without one lands on the CPU whatever the model's device: the crashes the issue measured on a GPU).
   ``*_like`` and ``x.new_*`` inherit their device and are fine.
 * :func:`test_numpy_only_of_host_copies`: ``.numpy()`` only on a ``.cpu()`` copy (``.numpy()`` of a cuda
@@ -42,6 +42,7 @@ CONSTRUCTORS = frozenset(
         "randint",
         "randperm",
         "linspace",
+        "logspace",
         "eye",
         "Generator",
     }
