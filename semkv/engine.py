@@ -240,6 +240,38 @@ class Engine:
         the engine's lock: call it off the engine thread, which goes on meanwhile."""
         return self.store.wait_written(keys, timeout_s)
 
+    def compute_model(self) -> torch.nn.Module:
+        """The HF model in the dtype the runtime computes in (the runtime's own cast copy, or the loaded
+        model): for comparisons against HF's forward on the same weights."""
+        return self.runtime.adapter.hf_model
+
+    def empty_memory_tier(self) -> int:
+        """Write every queued entry to the tiers below memory, then drop the memory tier's unpinned
+        entries, so the next hits come from disk or Redis; returns how many were dropped."""
+        with self._lock:
+            self.store.flush()
+            memory = self.store.memory
+            if memory is None:
+                return 0
+            dropped = 0
+            for key in list(memory.keys()):
+                if memory.pin_count(key) == 0:
+                    memory.delete(key)
+                    dropped += 1
+            return dropped
+
+    def tier_hits(self, name: str) -> int | None:
+        """Hits counted so far by the store tier ``name`` ("memory", "disk", "redis"); None without it."""
+        tier = self.store.tier(name)
+        return None if tier is None else tier.stats.hits
+
+    @torch.inference_mode()
+    def decode_logits(self, seq: Sequence, token_id: int) -> Tensor:
+        """The runtime's decode step alone: append ``token_id`` to the sequence's cache and return the
+        logits [V], with no sampling, stop check or repair (e.g. to check a GPU step for host syncs)."""
+        with self._lock:
+            return self.runtime.decode(seq.cache, token_id, seq.sparse)
+
     def twin(self, **changes: Any) -> Engine:
         """Another engine over the same weights and tokenizer, its config changed by ``changes``
         (e.g. ``compute_dtype="bfloat16"``)."""

@@ -56,6 +56,7 @@ import torch
 
 from semkv.bench.report import environment, markdown_table
 from semkv.config import EngineConfig, SchedulerConfig, StoreConfig, default_home
+from semkv.request import GenerateRequest
 from semkv.sparse.dense import DensePolicy
 
 log = logging.getLogger(__name__)
@@ -331,8 +332,6 @@ def row_exact(run: Run) -> dict[str, Any]:
     text = text_of(engine.tokenizer, run.shape.exact_tokens, seed=1)
     new = run.shape.greedy_tokens
     ours = engine.generate(**plain(text, new))
-    from semkv.request import GenerateRequest
-
     ids = engine.layout(GenerateRequest(**plain(text, new))).token_ids
     tensor = torch.tensor([ids], device=run.device)
     reference = hf(tensor).logits[0, -1].float()
@@ -358,7 +357,7 @@ def row_exact(run: Run) -> dict[str, Any]:
 
 def hf_in_compute_dtype(run: Run) -> torch.nn.Module:
     """The HF model in the main engine's compute dtype (the runtime's own cast copy: no more memory)."""
-    return run.engine.runtime.adapter.hf_model
+    return run.engine.compute_model()
 
 
 @torch.inference_mode()
@@ -367,8 +366,6 @@ def row_prefill_vs_hf(run: Run) -> dict[str, Any]:
     text = text_of(engine.tokenizer, run.shape.prefill_tokens, seed=2)
     request = plain(text, 1)
     ttft, g = run.ttft(**request)
-    from semkv.request import GenerateRequest
-
     ids = torch.tensor([engine.layout(GenerateRequest(**request)).token_ids], device=run.device)
     hf = hf_in_compute_dtype(run)
     hf(ids[:, :64], logits_to_keep=1)  # warm-up
@@ -376,7 +373,7 @@ def row_prefill_vs_hf(run: Run) -> dict[str, Any]:
     hf_s = median([timed(run.device, lambda: hf(ids, logits_to_keep=1)) for _ in range(run.shape.repeats)])
     return {
         "prompt_tokens": g.stats["prompt_tokens"],
-        "compute_dtype": str(engine.runtime.compute_dtype).removeprefix("torch."),
+        "compute_dtype": engine.compute_dtype,
         "ours_s": ttft,
         "hf_s": hf_s,
         "ours_over_hf": ttft / hf_s,
@@ -391,8 +388,6 @@ def row_decode_vs_hf(run: Run) -> dict[str, Any]:
     engine.generate(**request)  # warm-up
     ours = [engine.generate(**request) for _ in range(max(1, run.shape.repeats // 2))]
     ours_ms = median([1000 * g.stats["decode_s"] / (n - 1) for g in ours])
-    from semkv.request import GenerateRequest
-
     ids = torch.tensor([engine.layout(GenerateRequest(**request)).token_ids], device=run.device)
     hf = hf_in_compute_dtype(run)
     pad = engine.tokenizer.pad_token_id or 0
@@ -426,16 +421,12 @@ def row_prefix(run: Run, tier: str) -> dict[str, Any]:
     options = dict(prompt=prompt, max_new_tokens=8, stop_at_eos=False, store_prompt=False, sparse=None)
     full_s, full = run.ttft(**options, reuse="none")
     hits = []
-    disk = engine.store.tier("disk")
     for _ in range(run.shape.repeats):
         if tier == "disk":
-            engine.store.flush()
-            memory = engine.store.memory
-            for key in list(memory.keys()):
-                memory.delete(key)
-        before = disk.stats.hits if disk is not None else 0
+            engine.empty_memory_tier()
+        before = engine.tier_hits("disk")
         hits.append(engine.generate(**options, reuse="prefix"))
-        if tier == "disk" and (disk is None or disk.stats.hits == before):
+        if tier == "disk" and (before is None or engine.tier_hits("disk") == before):
             raise RuntimeError("the prefix hit did not come from the disk tier")
     hit = hits[-1]
     ok = hit.stats["path"] == "prefix" and hit.stats["reused_tokens"] > 0
@@ -626,15 +617,14 @@ def row_server(run: Run) -> dict[str, Any]:
 @torch.inference_mode()
 def row_no_host_sync(run: Run) -> dict[str, Any]:
     """One runtime decode step with device syncs made errors (the token is fed from the host first)."""
-    runtime = run.engine.runtime
-    tokens = run.engine.tokenizer(text_of(run.engine.tokenizer, 64, seed=9))["input_ids"]
-    cache = runtime.new_cache(len(tokens) + 2)
-    runtime.prefill(cache, tokens)
-    runtime.decode(cache, tokens[-1])  # warm-up: one-time set-up may sync
+    engine = run.engine
+    seq = engine.prefill(GenerateRequest(**plain(text_of(engine.tokenizer, 64, seed=9), 4)))
+    token = seq.tokens[-1]
+    engine.decode_logits(seq, token)  # warm-up: one-time set-up may sync
     synchronize(run.device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runtime.decode(cache, tokens[-1])
+        engine.decode_logits(seq, token)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     synchronize(run.device)

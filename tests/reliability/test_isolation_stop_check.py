@@ -10,7 +10,7 @@ the exception left the scheduler's step, so the engine step itself raised (a ser
 from __future__ import annotations
 
 from semkv.engine import Engine
-from semkv.request import GenerateRequest
+from semkv.request import GenerateRequest, ResolvedRequest
 from semkv.text_stream import TextStream
 from tests.reliability.isolation import (
     HOSTILE,
@@ -41,8 +41,9 @@ def hostile_streams_fail(engine: Engine, monkeypatch) -> None:
     """Give requests with the hostile prompt a :class:`FailingStopCheck`."""
     real = engine.text_stream
 
-    def text_stream(request: GenerateRequest) -> TextStream:
-        if request.prompt == HOSTILE_PROMPT:
+    def text_stream(request: GenerateRequest | ResolvedRequest) -> TextStream:
+        given = request.request if isinstance(request, ResolvedRequest) else request
+        if given.prompt == HOSTILE_PROMPT:
             return FailingStopCheck(engine.tokenizer, request.stop)
         return real(request)
 
