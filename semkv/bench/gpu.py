@@ -462,14 +462,20 @@ def row_blend(run: Run, selector: str) -> dict[str, Any]:
         run.blend_full_s = run.ttft(**options, reuse="none")[0]
     full_s = run.blend_full_s
     blend_s, g = run.ttft(**options, reuse="blend", blend={"selector": selector})
-    ok = g.stats["path"] == "blend"
+    return reuse_row("blend", g, full_s, blend_s)
+
+
+def reuse_row(path: str, g: Any, full_s: float, path_s: float) -> dict[str, Any]:
+    """The row of a reuse path's generation ``g``: ok when ``path`` served it, its TTFT against full
+    prefill's."""
+    ok = g.stats["path"] == path
     return {
         "ok": ok,
         "prompt_tokens": g.stats["prompt_tokens"],
         "reused_tokens": g.stats["reused_tokens"],
         "ttft_full_s": full_s,
-        "ttft_s": blend_s,
-        "full_over_path": full_s / blend_s,
+        "ttft_s": path_s,
+        "full_over_path": full_s / path_s,
         **({} if ok else {"reason": f"served by {g.stats['path']!r}: {g.stats.get('fallback', '')}"}),
     }
 
@@ -483,16 +489,7 @@ def row_share(run: Run) -> dict[str, Any]:
     options = dict(prompt=edited, max_new_tokens=8, stop_at_eos=False, store_prompt=False, sparse=None)
     full_s, _ = run.ttft(**options, reuse="none")
     share_s, g = run.ttft(**options, reuse="share")
-    ok = g.stats["path"] == "share"
-    return {
-        "ok": ok,
-        "prompt_tokens": g.stats["prompt_tokens"],
-        "reused_tokens": g.stats["reused_tokens"],
-        "ttft_full_s": full_s,
-        "ttft_s": share_s,
-        "full_over_path": full_s / share_s,
-        **({} if ok else {"reason": f"served by {g.stats['path']!r}: {g.stats.get('fallback', '')}"}),
-    }
+    return reuse_row("share", g, full_s, share_s)
 
 
 def row_sparse(run: Run, policy: str) -> dict[str, Any]:
