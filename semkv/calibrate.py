@@ -416,9 +416,9 @@ def calibrate(engine, config: CalibrationConfig | None = None, show_progress: bo
         "version": PROFILE_VERSION,
         "model": engine.name,
         "fingerprint": engine.fingerprint,
-        "kv_dtype": engine.config.kv_dtype,
-        "compute_dtype": str(engine.runtime.compute_dtype).removeprefix("torch."),
-        "block_size": engine.config.block_size,
+        "kv_dtype": engine.kv_dtype,
+        "compute_dtype": engine.compute_dtype,
+        "block_size": engine.block_size,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.perf_counter() - start, 1),
         "target": config.target,
@@ -539,6 +539,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(profile, indent=2, sort_keys=True), encoding="utf-8")
     if not args.dry_run:
-        path = write_profile(engine.config.home_path, profile)
+        path = write_profile(engine.home, profile)
         sys.stdout.write(f"profile written to {path}\n")
     return 0

@@ -22,7 +22,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu; cuda is built for, untested)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device: cpu (tested) or cuda (checked by `semkv bench gpu`, see README status)",
+    )
     p.add_argument(
         "--compute-dtype",
         default="auto",
@@ -109,11 +113,23 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 1 if result.get("damaged") else 0
 
 
+def _server_missing(package: str | None) -> int:
+    print(
+        f"semkv: error: serve needs {package}, which is not installed (pip install fastapi uvicorn)",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from semkv import calibrate
     from semkv.bench import add_bench_parsers
     from semkv.route import command as route_command
-    from semkv.server import command as serve_command
+
+    try:
+        from semkv.server import command as serve_command
+    except ModuleNotFoundError as exc:  # the server's packages are missing: every other command still runs
+        serve_command, server_missing = None, exc.name
 
     parser = argparse.ArgumentParser(prog="semkv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -162,7 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=None)
     p.set_defaults(func=cmd_cache)
 
-    serve_command.add_parser(sub, _add_engine_args)
+    if serve_command is not None:
+        serve_command.add_parser(sub, _add_engine_args)
+    else:
+        # takes any arguments (no option is parsed: prefix_chars matches none) and says what is missing
+        p = sub.add_parser(
+            "serve", help=f"unavailable: {server_missing} is not installed", prefix_chars="\x01"
+        )
+        p.add_argument("ignored", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda _: _server_missing(server_missing))
     route_command.add_parser(sub)
     calibrate.add_parser(sub, _add_engine_args)
     return parser

@@ -2,7 +2,10 @@
 
 A request goes through:
 
-1. :meth:`Engine.layout` — the prompt as tokenized segments (template, chunks, body, suffix);
+1. :meth:`Engine.resolve` — the request resolved once (a :class:`~semkv.request.ResolvedRequest`): its
+   prompt as tokenized segments (template, chunks, body, suffix), its reuse and sparse options after the
+   engine's defaults, its namespace and prefix block keys; tokenized off the engine's lock, on a private
+   copy of the tokenizer, after its text's length was checked against the model's context;
 2. :meth:`Engine.plan` — every reuse path is asked for an offer (``semkv/reuse/``); the one that
    reuses most is chosen, the others' refusals are kept;
 3. :meth:`Engine.prefill` — a live cache is filled by the chosen path, the first token sampled:
@@ -27,7 +30,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -40,7 +43,7 @@ from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
 from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
 from semkv.prompt import PromptLayout, build_layout, tokenize_text
-from semkv.request import GenerateRequest, Generation
+from semkv.request import GenerateRequest, Generation, ResolvedRequest
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath, TailPrefillPath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
@@ -52,13 +55,19 @@ from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
-from semkv.store.keys import Namespace, prefix_block_keys
+from semkv.store.keys import EntryKey, Namespace, prefix_block_keys
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
+from semkv.tokenizer_pool import TokenizerPool, max_chars_per_token
+
+if TYPE_CHECKING:
+    from semkv.store.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
 SHARE_INDEX_DIR = "share_index"
+TOKENIZER_COPIES = 2  # requests tokenized at once off the engine thread (each on its own tokenizer copy)
+AnyRequest = GenerateRequest | ResolvedRequest
 
 
 class Engine:
@@ -66,6 +75,8 @@ class Engine:
 
     Thread-safe: the public steps hold one re-entrant lock, so model work runs on one thread at a time;
     ``add_request`` and ``abort`` may be called from any thread while another one calls ``step``.
+    :meth:`resolve` (tokenizing a request) holds no engine lock: it runs on a private copy of the
+    tokenizer from :attr:`tokenizers`, from any thread, beside a step.
     ``defaults`` holds what unset request knobs fall back to (the calibrated profile, if any).
     The home folder is created readable by its user only (0700): it holds cached prompts.
     """
@@ -100,6 +111,8 @@ class Engine:
             load_profile(config.home_path, self.fingerprint)
         )
         self.max_context = int(self.adapter.max_positions)
+        self.tokenizers = TokenizerPool(tokenizer, TOKENIZER_COPIES)
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
         self.eos_ids = frozenset(self._eos_ids())
         self.hook_errors: dict[str, int] = {}  # path name -> post-prefill hooks that raised
         self._lock = threading.RLock()
@@ -177,6 +190,93 @@ class Engine:
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
+    # -- what other modules read of the engine (they never reach into ctx / runtime / store / config) --
+    @property
+    def home(self) -> Path:
+        """The engine's home folder (cached prompts, profiles, converted models)."""
+        return self.config.home_path
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (prefix reuse, sparse selection)."""
+        return self.config.block_size
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype KV is stored in, by name ("float16", ...)."""
+        return self.config.kv_dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the runtime computes in, by name ("float32", "bfloat16", ...)."""
+        return str(self.runtime.compute_dtype).removeprefix("torch.")
+
+    @property
+    def store_secret(self) -> bytes | None:
+        """The deployment's store secret (UTF-8), or None: what signs records shared through the store."""
+        secret = self.config.store.secret
+        return None if secret is None else secret.encode("utf-8")
+
+    def redis_tier(self) -> RedisTier | None:
+        """The store's Redis tier (its health, its records), or None when the store has none."""
+        from semkv.store.redis_tier import RedisTier
+
+        tier = self.store.tier("redis")
+        return tier if isinstance(tier, RedisTier) else None
+
+    def store_for_metrics(self) -> KVStore:
+        """The KV store, to read its counters at a metrics scrape (stats, tiers, write-behind queue)."""
+        return self.store
+
+    def delete_stored(self, keys: list[str]) -> None:
+        """Remove these entries (chunk keys, block keys) from every tier of the store."""
+        with self._lock:
+            for key in keys:
+                self.store.delete(key)
+
+    def wait_stored(self, keys: list[str], timeout_s: float | None = None) -> bool:
+        """Wait until these entries (e.g. a document's chunk keys from :meth:`add_chunks`) are in every
+        tier of the store, not only queued for the tiers below memory; False on timeout. Does not hold
+        the engine's lock: call it off the engine thread, which goes on meanwhile."""
+        return self.store.wait_written(keys, timeout_s)
+
+    def compute_model(self) -> torch.nn.Module:
+        """The HF model in the dtype the runtime computes in (the runtime's own cast copy, or the loaded
+        model): for comparisons against HF's forward on the same weights."""
+        return self.runtime.adapter.hf_model
+
+    def empty_memory_tier(self) -> int:
+        """Write every queued entry to the tiers below memory, then drop the memory tier's unpinned
+        entries, so the next hits come from disk or Redis; returns how many were dropped."""
+        with self._lock:
+            self.store.flush()
+            memory = self.store.memory
+            if memory is None:
+                return 0
+            dropped = 0
+            for key in list(memory.keys()):
+                if memory.pin_count(key) == 0:
+                    memory.delete(key)
+                    dropped += 1
+            return dropped
+
+    def tier_hits(self, name: str) -> int | None:
+        """Hits counted so far by the store tier ``name`` ("memory", "disk", "redis"); None without it."""
+        tier = self.store.tier(name)
+        return None if tier is None else tier.stats.hits
+
+    @torch.inference_mode()
+    def decode_logits(self, seq: Sequence, token_id: int) -> Tensor:
+        """The runtime's decode step alone: append ``token_id`` to the sequence's cache and return the
+        logits [V], with no sampling, stop check or repair (e.g. to check a GPU step for host syncs)."""
+        with self._lock:
+            return self.runtime.decode(seq.cache, token_id, seq.sparse)
+
+    def twin(self, **changes: Any) -> Engine:
+        """Another engine over the same weights and tokenizer, its config changed by ``changes``
+        (e.g. ``compute_dtype="bfloat16"``)."""
+        return Engine(replace(self.config, **changes), self.hf_model, self.tokenizer, self.name)
+
     def share_index_folder(self) -> Path | None:
         """``<home>/share_index/<fingerprint[:16]>`` when the store keeps a disk tier, else None (the
         share path's index then lives in memory only)."""
@@ -184,91 +284,144 @@ class Engine:
             return None
         return self.config.home_path / SHARE_INDEX_DIR / self.fingerprint[:16]
 
-    # -- layout & planning -------------------------------------------------------------------------
-    def layout(self, request: GenerateRequest) -> PromptLayout:
-        """The request's prompt as tokenized segments; a ValueError if it is empty or too long. Holds the
-        engine's lock: the tokenizer is used by one thread at a time."""
-        with self._lock:
+    # -- resolving & planning ---------------------------------------------------------------------
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of user text (prompt or messages, chunks, reply start) a request may carry: the
+        model's context times :attr:`max_chars_per_token` (the tokenizer's longest token string, see
+        :func:`semkv.tokenizer_pool.max_chars_per_token`). A longer text is known to exceed the context
+        before it is tokenized."""
+        return self.max_context * self.max_chars_per_token
+
+    def check_text_length(self, request: GenerateRequest) -> None:
+        """A ValueError naming the limit if ``request``'s text cannot fit in the model's context (checked
+        in characters, before any tokenization)."""
+        chars = request.text_chars()
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the request's text has {chars} characters; at most {self.max_prompt_chars} fit in the "
+                f"model's context of {self.max_context} tokens ({self.max_chars_per_token} characters per "
+                "token at most)"
+            )
+
+    def resolve(self, request: AnyRequest, *, fit_context: bool = False) -> ResolvedRequest:
+        """``request`` resolved once (a :class:`ResolvedRequest` is returned as it is): its text's length
+        checked, its prompt tokenized, its reuse and sparse options resolved with the engine's defaults,
+        its prefix block keys. ``fit_context``: a ``max_new_tokens`` the caller left to the engine is
+        lowered to the room the prompt leaves in the context (at least 1). A ValueError if the prompt is
+        empty or does not fit. Holds no engine lock: tokenizes on a private tokenizer copy, so it runs
+        on any thread beside the engine's steps."""
+        if isinstance(request, ResolvedRequest):
+            return request
+        self.check_text_length(request)
+        with self.tokenizers.borrow() as tokenizer:
             layout = build_layout(
-                self.tokenizer,
+                tokenizer,
                 request.prompt,
                 request.messages,
                 request.chunks,
                 request.use_chat_template,
                 request.assistant_prefix,
             )
-        total = len(layout) + request.max_new_tokens
-        if len(layout) == 0:
+        token_ids = tuple(layout.token_ids)
+        if not token_ids:
             raise ValueError("prompt is empty after tokenization")
-        if total > self.max_context:
+        if fit_context:
+            request.max_new_tokens = max(1, min(request.max_new_tokens, self.max_context - len(token_ids)))
+        if len(token_ids) + request.max_new_tokens > self.max_context:
             raise ValueError(
-                f"prompt of {len(layout)} tokens + max_new_tokens {request.max_new_tokens} exceeds the model's "
-                f"context of {self.max_context} tokens"
+                f"prompt of {len(token_ids)} tokens + max_new_tokens {request.max_new_tokens} exceeds the "
+                f"model's context of {self.max_context} tokens"
             )
-        return layout
+        check_request(self.defaults, request)  # warns below the calibrated profile
+        options = self.defaults.reuse_options(request)
+        policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(token_ids))
+        block = self.ctx.block_size
+        keys: tuple[EntryKey, ...] = ()
+        if options.mode != "none" and "prefix" in self.paths:
+            keys = tuple(prefix_block_keys(self.fingerprint, block, token_ids, options.namespace))
+        return ResolvedRequest(
+            request=request,
+            layout=layout,
+            token_ids=token_ids,
+            options=options,
+            sparse_policy=policy,
+            kv_budget=kv_budget,
+            sparse_notes=sparse_notes,
+            prefix_keys=keys,
+            block_size=block,
+        )
 
-    def plan(
-        self, request: GenerateRequest, layout: PromptLayout | None = None
-    ) -> tuple[Plan, list[Refusal]]:
+    def layout(self, request: AnyRequest) -> PromptLayout:
+        """The request's prompt as tokenized segments (:meth:`resolve`); a ValueError if it is empty or
+        too long."""
+        return self.resolve(request).layout
+
+    def plan(self, request: AnyRequest) -> tuple[Plan, list[Refusal]]:
         """Pick the prefill path: under "auto" the one that reuses most; an explicit mode, or an exact
         prefix hit when it reuses more (exact reuse is always allowed); "none" is full prefill.
         Returns the plan and the refusals of the paths asked."""
-        layout = layout if layout is not None else self.layout(request)
-        options = self.defaults.reuse_options(request)
-        if options.mode == "none":
-            return self.paths[FULL].plan(self.ctx, options, layout), []
-        if options.mode == "auto":
-            names = [name for name in self.paths if name != FULL]
-        else:
-            names = [options.mode] + (["prefix"] if options.mode != "prefix" else [])
-        best: Plan | None = None
-        refusals: list[Refusal] = []
-        for name in names:
-            offer = self.paths[name].plan(self.ctx, options, layout)
-            if isinstance(offer, Refusal):
-                refusals.append(offer)
-            elif best is None or offer.reused_tokens > best.reused_tokens:
-                best = offer
-        if best is None:
-            best = self.paths[FULL].plan(self.ctx, options, layout)
-        return best, refusals
+        resolved = self.resolve(request)
+        options, layout = resolved.options, resolved.layout
+        with self._lock:
+            if options.mode == "none":
+                return self.paths[FULL].plan(self.ctx, options, layout), []
+            if options.mode == "auto":
+                names = [name for name in self.paths if name != FULL]
+            else:
+                names = [options.mode] + (["prefix"] if options.mode != "prefix" else [])
+            best: Plan | None = None
+            refusals: list[Refusal] = []
+            for name in names:
+                offer = self.paths[name].plan(self.ctx, options, layout)
+                if isinstance(offer, Refusal):
+                    refusals.append(offer)
+                elif best is None or offer.reused_tokens > best.reused_tokens:
+                    best = offer
+            if best is None:
+                best = self.paths[FULL].plan(self.ctx, options, layout)
+            return best, refusals
 
     # -- the steps -----------------------------------------------------------------------------------
-    def prefill(self, request: GenerateRequest, *, capture_queries: bool = False) -> Sequence:
-        """Lay out and plan ``request``, fill a live cache through the chosen path and sample the first
+    def prefill(self, request: AnyRequest, *, capture_queries: bool = False) -> Sequence:
+        """Resolve and plan ``request``, fill a live cache through the chosen path and sample the first
         token. ``capture_queries`` keeps the prompt's queries (needed to :meth:`fork` into SnapKV/H2O).
         The TTFT (``seq.ttft_s``) covers planning, prefill and the first token; nothing is stored yet.
         :meth:`begin_prefill` + :meth:`advance_prefill` + :meth:`complete_prefill` in one go."""
+        resolved = self.resolve(request)  # before the lock: tokenizing does not hold up other steps
         with self._lock:
-            job = self.begin_prefill(request, capture_queries=capture_queries)
+            job = self.begin_prefill(resolved, capture_queries=capture_queries)
             self.advance_prefill(job)
             return self.complete_prefill(job)
 
-    def begin_prefill(self, request: GenerateRequest, *, capture_queries: bool = False) -> PrefillJob:
-        """Lay out and plan ``request`` and make its live cache; nothing is computed yet."""
+    def begin_prefill(self, request: AnyRequest, *, capture_queries: bool = False) -> PrefillJob:
+        """Plan ``request`` (resolved first if it is not) and make its live cache; nothing is computed
+        yet."""
+        resolved = self.resolve(request)
         with self._lock:
-            layout = self.layout(request)
-            check_request(self.defaults, request)  # warns below the calibrated profile
             start = time.perf_counter()
-            plan, refusals = self.plan(request, layout)
-            policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(layout))
-            period = request.sparse_reselect_every
+            plan, refusals = self.plan(resolved)
+            period = resolved.request.sparse_reselect_every
             sparse = self.sparse_decoder(
-                policy, kv_budget, **({} if period is None else {"reselect_every": period})
+                resolved.sparse_policy,
+                resolved.kv_budget,
+                **({} if period is None else {"reselect_every": period}),
             )
             return PrefillJob(
-                request=request,
-                options=self.defaults.reuse_options(request),
-                layout=layout,
+                request=resolved.request,
+                options=resolved.options,
+                layout=resolved.layout,
                 plan=plan,
                 refusals=refusals,
-                cache=self.runtime.new_cache(len(layout) + request.max_new_tokens, claim_slot=True),
+                cache=self.runtime.new_cache(
+                    resolved.prompt_tokens + resolved.max_new_tokens, claim_slot=True
+                ),
                 sparse=sparse,
-                kv_budget=kv_budget,
+                kv_budget=resolved.kv_budget,
                 capture=capture_queries or (sparse is not None and sparse.policy.needs_prefill_queries),
                 started=start,
                 tail_prefill=isinstance(self.paths[plan.path], TailPrefillPath),
-                notes=sparse_notes,
+                notes=dict(resolved.sparse_notes),
             )
 
     def advance_prefill(self, job: PrefillJob, max_tokens: int | None = None) -> int:
@@ -328,7 +481,7 @@ class Engine:
             outcome=outcome,
             cache=job.cache,
             sparse=job.sparse,
-            generator=torch.Generator().manual_seed(job.request.seed),
+            generator=self.runtime.generator(job.request.seed),
             eos_ids=self.eos_ids,
             kv_budget=job.kv_budget,
             prefill_queries=job.queries,
@@ -347,12 +500,10 @@ class Engine:
         Returns the index and the seconds spent (part of the TTFT)."""
         start = time.perf_counter()
         blocks = BlockIndex(cache, self.config.block_size)
-        for summary in outcome.stored_summaries:
-            try:
-                blocks.insert(summary)
-            except ValueError as exc:  # stored by another version: summarise the rows instead
-                log.warning("recomputing block summaries: %s", exc)
-                break
+        try:
+            blocks.insert_many(outcome.stored_summaries)
+        except ValueError as exc:  # stored by another version: summarise the rows instead
+            log.warning("recomputing block summaries: %s", exc)
         if now:
             blocks.add_blocks()
         outcome.summaries = blocks
@@ -407,22 +558,47 @@ class Engine:
         """One decode step of several sequences in one batched forward (norms, projections, MLP and
         lm_head over all rows; attention per sequence over its own cache and sparse decoder). Each
         sequence samples its next token with its own settings; the step's time adds to every
-        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check."""
+        sequence's ``decode_s``. Returns the logits [B, V]. Untimed per token, no stop check.
+
+        A sequence's failure is its own: when its sparse selection, its sampling or its loop repair
+        raises, the exception goes to its ``failure`` (it samples nothing more; the scheduler ends it with
+        that error) and the step goes on for the others (a selection that raised leaves that sequence
+        attending to every row for the rest of the step: rows do not mix, so the others' logits are what
+        they would have been)."""
         with self._lock:
             start = time.perf_counter()
+            guards = [None if seq.sparse is None else SelectionGuard(seq.sparse) for seq in seqs]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
-                [seq.sparse for seq in seqs],
+                list(guards),
                 kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
-            for seq, row in zip(seqs, logits, strict=True):
-                seq.sample(row)
-                self.repair_loop(seq)
+            for seq, guard, row in zip(seqs, guards, logits, strict=True):
+                if guard is not None and guard.error is not None:
+                    self._fail_sequence(seq, guard.error, "its sparse selection")
+                    continue
+                try:
+                    seq.sample(row)
+                    self.repair_loop(seq)
+                except Exception as exc:
+                    self._fail_sequence(seq, exc, "sampling or loop repair")
             elapsed = time.perf_counter() - start
             for seq in seqs:
                 seq.decode_s += elapsed
             return logits
+
+    @staticmethod
+    def _fail_sequence(seq: Sequence, exc: BaseException, where: str) -> None:
+        """Record what ended ``seq`` alone in a batched step (logged; the scheduler ends it)."""
+        seq.failure = exc
+        log.warning(
+            "a sequence failed in %s (%s: %s); the other sequences of the step go on",
+            where,
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, ValueError),
+        )
 
     def repair_loop(self, seq: Sequence) -> bool:
         """If ``seq``'s answer (decoded from inexact reused KV) has started to repeat itself, recompute its
@@ -509,7 +685,7 @@ class Engine:
                         "capture_queries=True"
                     )
                 decoder.prefill = seq.prefill_queries
-            generator = torch.Generator()
+            generator = self.runtime.generator(0)  # its state is set next
             generator.set_state(seq.generator.get_state())
             self._summarise_prompt(seq)
             cache = self.runtime.track(copy.deepcopy(seq.cache))
@@ -532,23 +708,25 @@ class Engine:
     # -- many requests: the scheduler -----------------------------------------------------------------
     def add_request(
         self,
-        request: GenerateRequest | None = None,
+        request: AnyRequest | None = None,
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
         waited_s: float = 0.0,
         **options: Any,
     ) -> str:
-        """Queue a request (a :class:`GenerateRequest`, or its fields as keyword arguments) for
-        :meth:`step`; returns its id. ``timeout_s``: it ends with ``DeadlineExceeded`` after that many
-        seconds from its arrival, ``waited_s`` seconds ago. Raises ``QueueFull`` when the scheduler's waiting
-        queue is full. Thread-safe."""
+        """Queue a request (a :class:`GenerateRequest` or a :class:`ResolvedRequest`, or its fields as keyword
+        arguments) for :meth:`step`; returns its id. The request is resolved here (:meth:`resolve`, on
+        the calling thread, without the engine's lock): a ValueError if its prompt is empty or does not
+        fit. ``timeout_s``: it ends with ``DeadlineExceeded`` after that many seconds from its arrival,
+        ``waited_s`` seconds ago. Raises ``QueueFull`` when the scheduler's waiting queue is full.
+        Thread-safe."""
         if request is None:
             request = GenerateRequest(**options)
         elif options:
             raise ValueError("give a GenerateRequest or its fields, not both")
         return self.scheduler.add_request(
-            request, request_id=request_id, timeout_s=timeout_s, waited_s=waited_s
+            self.resolve(request), request_id=request_id, timeout_s=timeout_s, waited_s=waited_s
         )
 
     def step(self) -> list[StepOutput]:
@@ -566,19 +744,20 @@ class Engine:
         """Requests are waiting or running in the scheduler."""
         return self.scheduler.has_unfinished()
 
-    def admission(self, request: GenerateRequest) -> Admission:
+    def admission(self, request: AnyRequest) -> Admission:
         """What admitting ``request`` costs the scheduler: prompt tokens, and its live cache's prompt +
         ``max_new_tokens`` rows and their bytes; the chained keys of its full prompt blocks in its cache
         namespace when it may reuse a stored prefix (none under ``reuse="none"`` or without the prefix
-        path). A ValueError if the prompt is empty or too long."""
-        layout = self.layout(request)
-        rows = len(layout) + request.max_new_tokens
-        options = self.defaults.reuse_options(request)
-        keys: tuple[str, ...] = ()
-        block = self.ctx.block_size
-        if options.mode != "none" and "prefix" in self.paths:
-            keys = tuple(prefix_block_keys(self.fingerprint, block, layout.token_ids, options.namespace))
-        return Admission(len(layout), rows * self.runtime.kv_bytes_per_token(), rows, keys, block)
+        path): read from its :class:`ResolvedRequest`. A ValueError if the prompt is empty or too long."""
+        resolved = self.resolve(request)
+        rows = resolved.prompt_tokens + resolved.max_new_tokens
+        return Admission(
+            resolved.prompt_tokens,
+            rows * self.runtime.kv_bytes_per_token(),
+            rows,
+            resolved.prefix_keys,
+            resolved.block_size,
+        )
 
     def cached_prompt_tokens(self, admission: Admission) -> int:
         """Leading prompt tokens a request would load as an exact stored prefix if it started now: its
@@ -607,7 +786,7 @@ class Engine:
         with self._lock:
             self.runtime.trim_arena(self.scheduler.config.max_live_kv_bytes)
 
-    def text_stream(self, request: GenerateRequest) -> TextStream:
+    def text_stream(self, request: AnyRequest) -> TextStream:
         """A detokenizer for ``request``'s output, ending at its stop strings."""
         return TextStream(self.tokenizer, request.stop)
 
@@ -620,7 +799,7 @@ class Engine:
         on_token: called with each kept token id as soon as it is sampled (streaming); returning
         False stops the generation there.
         """
-        request = GenerateRequest(prompt=prompt, **options)
+        request = self.resolve(GenerateRequest(prompt=prompt, **options))
         stream = self.text_stream(request) if request.stop else None
         callback = on_token if stream is None else _until_stop(stream, on_token)
         with self._lock:
@@ -634,9 +813,10 @@ class Engine:
         return generation
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens of each text (no special tokens), under the engine's lock (one tokenizer user at a time)."""
-        with self._lock:
-            return [len(tokenize_text(self.tokenizer, t)) for t in texts]
+        """Tokens of each text (no special tokens), on a private tokenizer copy (no engine lock: callable
+        from any thread beside a step)."""
+        with self.tokenizers.borrow() as tokenizer:
+            return [len(tokenize_text(tokenizer, t)) for t in texts]
 
     def add_chunks(
         self, texts: list[str], config: BlendConfig | None = None, namespace: Namespace | None = None
@@ -660,6 +840,27 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+class SelectionGuard:
+    """A sequence's sparse decoder as the runtime's key gatherer, with its failure kept to itself: the
+    first exception its ``gather`` raises is kept in :attr:`error`, and from then on (that layer
+    included) the sequence attends to every row (``None``), so one sequence's failed selection does not
+    fail the batched step of the others."""
+
+    def __init__(self, decoder: SparseDecoder) -> None:
+        self.decoder = decoder
+        self.error: BaseException | None = None
+
+    def gather(self, layer: int, q_rot: Tensor, cache: Any) -> Any:
+        """The decoder's rows for ``layer`` (see :meth:`SparseDecoder.gather`), or None once it failed."""
+        if self.error is not None:
+            return None
+        try:
+            return self.decoder.gather(layer, q_rot, cache)
+        except Exception as exc:
+            self.error = exc
+            return None
 
 
 def _until_stop(stream: TextStream, on_token: TokenCallback | None) -> TokenCallback:

@@ -19,6 +19,11 @@ works from the environment, before the process starts. :func:`restart_with_one_a
 thread allocates from the main arena, which keeps its memory. The cost: the process keeps its peak heap
 (what a prefill's temporaries once needed stays reserved for the next one, as GPU caching allocators do).
 Where the C library is not glibc it does nothing.
+
+What a process allocates for one unusual input (a server reading a body of tens of MB: its bytes, the
+parsed text, validation copies) is freed at once but, kept this way, would stay resident for good:
+:func:`give_back_freed_memory` (``malloc_trim``) returns every free block to the operating system; a
+server calls it after such a request (the next prefills fault their temporaries in again, once).
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ def keep_freed_memory() -> bool:
         return False
     log.debug("glibc keeps freed memory for reuse (no mmap, no trim, 64 MiB top pad)")
     return True
+
+
+def give_back_freed_memory() -> bool:
+    """Return the free memory of every glibc arena to the operating system (``malloc_trim(0)``), whatever
+    :func:`keep_freed_memory` set. Returns True where glibc released some, False where it had nothing to
+    release or the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))
 
 
 def one_arena_environment(environ: Mapping[str, str]) -> dict[str, str] | None:

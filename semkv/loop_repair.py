@@ -34,11 +34,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from semkv.models.runtime import Runtime
-from semkv.reuse.selective import forward_fixed_rows
 from semkv.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -119,8 +117,7 @@ def repair(runtime: Runtime, seq: Sequence) -> bool:
 
 def recompute_rows(runtime: Runtime, seq: Sequence, first: int) -> Tensor:
     """Recompute cache rows [first, length) in place, every layer; the last row's logits [V] (float32)."""
-    rows = torch.arange(seq.cache.length - first)
-    logits = forward_fixed_rows(runtime, seq.cache, first, rows)
+    logits = runtime.forward_rows(seq.cache, first)
     assert logits is not None
     return logits.float()
 

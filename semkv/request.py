@@ -10,13 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from semkv.reuse.options import BlendConfig, ShareConfig, check_fraction
+from semkv.prompt import PromptLayout
+from semkv.reuse.options import BlendConfig, ReuseOptions, ShareConfig, check_fraction
 from semkv.reuse.registry import REUSE_MODES
 from semkv.sparse import SparsePolicy, validate_sparse
-from semkv.store.keys import Namespace
+from semkv.store.keys import EntryKey, Namespace
 
 MAX_NEW_TOKENS_LIMIT = 8192
 DEFAULT_KV_BUDGET = 0.1
+# A stop string's length in characters. The stream holds back text that may be a stop string's start
+# (up to its length - 1 characters) and builds a matcher of its length once per request; a stop string is
+# a delimiter, and 1,000 characters leave room for any a client has reason to send.
+MAX_STOP_CHARS = 1000
 
 
 @dataclass
@@ -129,6 +134,57 @@ class GenerateRequest:
         """The namespace whose cache this request reads and writes."""
         return Namespace(self.tenant, self.cache_salt or "")
 
+    def text_chars(self) -> int:
+        """Characters of user text the prompt is made of: the prompt or every message's content, the
+        chunks and the reply's start (what :meth:`semkv.engine.Engine.max_prompt_chars` bounds)."""
+        if self.messages is not None:
+            body = sum(len(m.get("content") or "") for m in self.messages)
+        else:
+            body = len(self.prompt or "")
+        return body + sum(len(c) for c in self.chunks) + len(self.assistant_prefix)
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request as the engine runs it, resolved once when it is admitted (:meth:`Engine.resolve
+    <semkv.engine.Engine.resolve>`): everything planning, prefill, the scheduler and the store read.
+
+    request: the request as given (``max_new_tokens`` fitted to the context where the caller asked).
+    layout: the prompt as tokenized segments; token_ids: all of its token ids, in order.
+    options: the reuse mode and the blend / share configs after the engine's defaults and profile,
+        with the request's namespace.
+    sparse_policy / kv_budget / sparse_notes: the sparse decode the request gets (``sparse="auto"``
+        resolved for this prompt's length; the notes say what auto chose and why).
+    prefix_keys: the chained keys of the prompt's full blocks of ``block_size`` tokens in its namespace,
+        when it may reuse a stored prefix (empty under ``reuse="none"`` or without the prefix path).
+    """
+
+    request: GenerateRequest
+    layout: PromptLayout
+    token_ids: tuple[int, ...]
+    options: ReuseOptions
+    sparse_policy: str | SparsePolicy | None
+    kv_budget: float | int
+    sparse_notes: dict[str, Any]
+    prefix_keys: tuple[EntryKey, ...]
+    block_size: int
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.options.namespace
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.request.max_new_tokens
+
+    @property
+    def stop(self) -> Sequence[str]:
+        return self.request.stop
+
 
 @dataclass
 class Generation:
@@ -191,7 +247,11 @@ def _check_stop(stop: object) -> list[str]:
         raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+            raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r:.80}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop[{i}] has {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}"
+            )
     return list(stop)
 
 

@@ -47,11 +47,14 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from semkv.config import SchedulerConfig
-from semkv.request import GenerateRequest, Generation
+from semkv.request import GenerateRequest, Generation, ResolvedRequest
 from semkv.sequence import TokenCallback
 from semkv.text_stream import TextStream
 
 log = logging.getLogger(__name__)
+
+
+AnyRequest = GenerateRequest | ResolvedRequest  # what the scheduler queues (a runner may resolve ahead)
 
 
 class QueueFull(RuntimeError):
@@ -70,6 +73,11 @@ class RunningSequence(Protocol):
 
     @property
     def finish_reason(self) -> str | None: ...
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended this sequence alone in a batched decode step (None while it is fine)."""
+        ...
 
     def emit_pending(self, on_token: TokenCallback | None) -> None:
         """Hand the tokens not yet emitted to ``on_token``; a callback returning False stops the sequence."""
@@ -111,7 +119,7 @@ class Admission:
 class StepRunner(Protocol[S, J]):
     """The model work a scheduler drives (implemented by :class:`semkv.engine.Engine`)."""
 
-    def admission(self, request: GenerateRequest) -> Admission:
+    def admission(self, request: AnyRequest) -> Admission:
         """The request's cost; a ValueError if it can never run (empty, too long)."""
         ...
 
@@ -119,7 +127,7 @@ class StepRunner(Protocol[S, J]):
         """Leading prompt tokens the request would load rather than compute if it started now."""
         ...
 
-    def begin_prefill(self, request: GenerateRequest) -> J:
+    def begin_prefill(self, request: AnyRequest) -> J:
         """Plan the request and make its cache (nothing computed yet)."""
         ...
 
@@ -144,7 +152,7 @@ class StepRunner(Protocol[S, J]):
         """The sequence's result (also for one ended early)."""
         ...
 
-    def text_stream(self, request: GenerateRequest) -> TextStream:
+    def text_stream(self, request: AnyRequest) -> TextStream:
         """A detokenizer with the request's stop strings."""
         ...
 
@@ -198,7 +206,7 @@ class _Entry(Generic[S, J]):
     """A request in the scheduler: waiting (no job), prefilling (a job), running (a sequence)."""
 
     request_id: str
-    request: GenerateRequest
+    request: AnyRequest
     deadline: float | None
     timeout_s: float | None
     admission: Admission | None = None
@@ -235,17 +243,18 @@ class Scheduler(Generic[S, J]):
     # -- from any thread ---------------------------------------------------------------------------
     def add_request(
         self,
-        request: GenerateRequest,
+        request: AnyRequest,
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
         waited_s: float = 0.0,
     ) -> str:
-        """Queue ``request``; returns its id (``request_id`` if given: it must not be in use). It is
+        """Queue ``request`` (as given, or resolved by the runner ahead: the scheduler hands it back to the
+        runner as it is); returns its id (``request_id`` if given: it must not be in use). It is
         admitted at a later step. ``timeout_s``: its deadline, in seconds from its arrival, which was
         ``waited_s`` seconds ago (e.g. a server's time to read and tokenize it); past it, it ends with
         :class:`DeadlineExceeded`. Raises :class:`QueueFull` when ``max_waiting`` requests wait."""
-        if not isinstance(request, GenerateRequest):
+        if not isinstance(request, (GenerateRequest, ResolvedRequest)):
             raise ValueError(f"request must be a GenerateRequest, got {type(request).__name__}")
         if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
@@ -480,13 +489,20 @@ class Scheduler(Generic[S, J]):
         self.prefilling.remove(entry)
         entry.job = None
         self.running.append(entry)
-        output = self._emit(entry)
+        try:
+            output = self._emit(entry)
+        except Exception as exc:  # its first token's stop check: this request ends alone
+            self._end_alone(entry, exc, outputs)
+            return 1, tokens
         try:
             self.runner.store_prefill(entry.seq)
             self._stored += 1
         except Exception as exc:  # storing is an optimisation for later requests, never this one's failure
             log.warning("storing the prefill of %s failed: %s", entry.request_id, exc)
-        self._settle(entry, output, outputs)
+        try:
+            self._settle(entry, output, outputs)
+        except Exception as exc:
+            self._end_alone(entry, exc, outputs)
         return 1, tokens
 
     def _fail_prefill(self, entry: _Entry[S, J], exc: Exception, outputs: list[StepOutput]) -> None:
@@ -497,6 +513,10 @@ class Scheduler(Generic[S, J]):
         self._end(entry, "error", outputs, exc, started=False)
 
     def _decode(self, batch: list[_Entry[S, J]], outputs: list[StepOutput]) -> None:
+        """One batched decode of ``batch``. A sequence that failed alone in it (``seq.failure``: its
+        sampling, loop repair or sparse selection raised) ends with that error, as does one whose stop
+        check or result raises (:meth:`_settle_alone`); the others go on. Only a step that fails as a
+        whole ends every entry of it."""
         try:
             self.runner.decode_batch([e.seq for e in batch if e.seq is not None])
         except Exception as exc:
@@ -505,7 +525,24 @@ class Scheduler(Generic[S, J]):
                 self._end(entry, "error", outputs, exc)
             return
         for entry in batch:
+            failure = entry.seq.failure if entry.seq is not None else None
+            if failure is not None:
+                self._end(entry, "error", outputs, failure)
+            else:
+                self._settle_alone(entry, outputs)
+
+    def _settle_alone(self, entry: _Entry[S, J], outputs: list[StepOutput]) -> None:
+        """Emit and settle one entry after a decode step; if that raises (its stop check, its
+        detokenizer, its result), the entry alone ends with the error."""
+        try:
             self._settle(entry, self._emit(entry), outputs)
+        except Exception as exc:
+            self._end_alone(entry, exc, outputs)
+
+    def _end_alone(self, entry: _Entry[S, J], exc: Exception, outputs: list[StepOutput]) -> None:
+        """End one entry whose own output handling raised (no result is built: that may be what raised)."""
+        log.warning("ending %s: %s: %s", entry.request_id, type(exc).__name__, exc, exc_info=exc)
+        self._end(entry, "error", outputs, exc, started=False)
 
     def _emit(self, entry: _Entry[S, J]) -> StepOutput:
         """The tokens and text the sequence produced since the last emit."""

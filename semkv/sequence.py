@@ -26,14 +26,36 @@ from semkv.sparse.index import BlockIndex, PrefillQueries
 TokenCallback = Callable[[int], bool | None]  # a kept token id; returning False stops the generation
 
 
+# The smallest temperature that still scales logits: float32's smallest normal number. A positive
+# temperature below it is not a distribution's temperature (1 / T is not finite in float32); the server
+# refuses it, and the sampler treats it as greedy.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
+
+class SamplingError(RuntimeError):
+    """The logits of a step give no distribution to sample from (NaN, +inf, or every logit -inf)."""
+
+
 def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0, else temperature + nucleus sampling. logits: [V]."""
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    """Greedy at temperature 0 (or below :data:`MIN_TEMPERATURE`), else temperature + nucleus sampling,
+    in log space: the logits less their maximum, divided by the temperature, are in [-inf, 0], so no
+    temperature overflows them and the most likely token always keeps a positive probability (a
+    temperature so small that every other token underflows is greedy). The nucleus always keeps the most
+    likely token, however small ``top_p``. logits: [V]. Raises :class:`SamplingError` for NaN or +inf
+    logits, or when every logit is -inf."""
+    scores = logits.float()
+    top = scores.max()
+    if bool(torch.isnan(scores).any()):
+        raise SamplingError("the step's logits contain NaN")
+    if not bool(torch.isfinite(top)):
+        raise SamplingError(f"the step's largest logit is {float(top)}")
+    if temperature < MIN_TEMPERATURE:
+        return int(torch.argmax(scores))
+    probs = torch.softmax((scores - top) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
@@ -98,6 +120,9 @@ class Sequence:
         decoder reads and extends them); summarise_s: the time that took (within the TTFT). A dense
         request's prompt blocks are summarised after its first token, when its prompt is stored or it is
         forked (then summarise_s is not in the TTFT).
+    failure: what ended this sequence alone in a batched step (its sampling, loop repair or sparse
+        selection raised: :meth:`semkv.engine.Engine.decode_batch`); the scheduler ends it with this
+        error while the other sequences of the step go on.
     emitted: how many of ``tokens`` were emitted (handed to a streaming callback, or passed over without
         one). delivered: how many a callback received: they are the client's and are never taken back
         (:mod:`semkv.loop_repair` may drop later ones).
@@ -125,6 +150,7 @@ class Sequence:
     emitted: int = 0
     delivered: int = 0
     stop_requested: bool = False
+    failure: BaseException | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     # -- state -----------------------------------------------------------------------------------

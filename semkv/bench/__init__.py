@@ -5,6 +5,7 @@ Benchmarks never run in the test suite.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import functools
 import importlib
@@ -32,6 +33,7 @@ SUITES: dict[str, str] = {
     "redis-writes": "semkv.bench.redis_writes",
     "batching": "semkv.bench.batching",
     "summary-plot": "semkv.bench.summary_plot",
+    "gpu": "semkv.bench.gpu",
 }
 
 
@@ -40,7 +42,16 @@ def add_bench_parsers(parser, add_engine_args: Callable) -> None:
     for name, module_name in SUITES.items():
         if importlib.util.find_spec(module_name) is None:
             continue
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a package the suite needs (the server's) is not installed
+            if exc.name is None or exc.name.startswith("semkv"):
+                raise
+            # takes any arguments (prefix_chars matches no option) and says what is missing
+            p = sub.add_parser(name, help=f"unavailable: {exc.name} is not installed", prefix_chars="\x01")
+            p.add_argument("ignored", nargs=argparse.REMAINDER)
+            p.set_defaults(bench_run=functools.partial(_unavailable, name, exc.name))
+            continue
         p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         add_engine_args(p)
         p.add_argument("--out", default="results", help="folder for JSON, Markdown and PNG results")
@@ -56,6 +67,11 @@ def add_bench_parsers(parser, add_engine_args: Callable) -> None:
             "--no-lock", action="store_true", help="don't wait for other benchmarks on this machine"
         )
         p.set_defaults(bench_run=exclusive(module.run))
+
+
+def _unavailable(suite: str, package: str, args) -> int:
+    print(f"semkv: error: bench {suite} needs {package}, which is not installed", file=sys.stderr)
+    return 2
 
 
 def exclusive(run: Callable) -> Callable:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -191,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
     fp32 = Engine.from_args(args, store=StoreConfig(disk=False), compute_dtype="float32")
-    bf16 = Engine(replace(fp32.config, compute_dtype="bfloat16"), fp32.hf_model, fp32.tokenizer, fp32.name)
+    bf16 = fp32.twin(compute_dtype="bfloat16")
     systems: dict[str, Any] = {
         "ours_fp32": EngineSystem(fp32),
         "ours_bf16": EngineSystem(bf16),
@@ -206,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {"threads": torch.get_num_threads()}
     if args.bandwidth:
         extra["bandwidth_GBps"] = memory_bandwidth()
-        weights = sum(p.numel() * p.element_size() for p in bf16.runtime.adapter.hf_model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in bf16.adapter.hf_model.parameters())
         extra["bf16_weight_bytes"] = weights
         for row in rows:
             kv = 2 * bf16.adapter.num_layers * bf16.adapter.num_kv_heads * bf16.adapter.head_dim * 2

@@ -333,7 +333,7 @@ def heatmap(path: Path, run: Run, oracle: list, needle_blocks: set[int], title: 
 
 
 def run_case(engine, case: NeedleCase, args, configs, heat_dir: Path | None) -> tuple[list[Run], dict]:
-    tokenizer, bs = engine.tokenizer, engine.config.block_size
+    tokenizer, bs = engine.tokenizer, engine.block_size
     ids = prompt_ids(tokenizer, case)
     steps = args.max_new_tokens - 1
     base = engine.prefill(case_request(case, args.max_new_tokens + 1), capture_queries=True)

@@ -23,7 +23,7 @@ def run_demo(engine, scenes: list[str] | None = None) -> dict[str, dict]:
     if unknown:
         raise ValueError(f"unknown demo scene(s) {unknown}; available: {available_scenes()}")
     results = {}
-    print(f"semkv demo on {engine.name} (KV {engine.config.kv_dtype}, block {engine.config.block_size})")
+    print(f"semkv demo on {engine.name} (KV {engine.kv_dtype}, block {engine.block_size})")
     for number, name in enumerate(chosen, 1):
         module = importlib.import_module(f"semkv.demo.{name}")
         print(f"\n=== scene {number}/{len(chosen)}: {module.TITLE} ===")

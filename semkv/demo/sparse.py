@@ -30,7 +30,7 @@ def run(engine) -> dict:
         ms = s["decode_ms_per_token"]
         ok = "ok " if exact_match(g.text, case.answer) else "miss"
         blocks = (
-            f"{s['blocks_selected_per_step']:.0f}/{s['prompt_tokens'] // engine.config.block_size}"
+            f"{s['blocks_selected_per_step']:.0f}/{s['prompt_tokens'] // engine.block_size}"
             if "sparse_policy" in s
             else "all"
         )

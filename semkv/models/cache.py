@@ -68,6 +68,10 @@ class KVCache:
         self.token_ids: list[int] = []
         self.query_observer: QueryObserver | None = None  # set while a prefill's queries are captured
         self.in_arena = False  # the buffers are views of a DecodeArena slot (see adopt)
+        # host copies of facts about ``positions``, read from the device once and kept while decode rows
+        # append in order (see ordered, position_span); None: not known
+        self._in_order: bool | None = None
+        self._span: int | None = None
         self.reserve(max(capacity, 1))
 
     @property
@@ -119,7 +123,36 @@ class KVCache:
         self.positions[start : start + count] = positions
         self.token_ids.extend(int(t) for t in token_ids)
         self.length = start + count
+        self._in_order = self._span = None
         return start
+
+    def append_next(self, token_id: int) -> int:
+        """Claim one row at the position after the last row's (0 for an empty cache), computed on the device
+        (no host read); returns the row. What :meth:`ordered` and :meth:`position_span` knew stays true
+        (one more in order, one wider)."""
+        in_order, span = self._in_order, self._span
+        if self.length:
+            position = self.positions[self.length - 1 : self.length] + 1
+        else:
+            position = torch.zeros(1, dtype=torch.long, device=self.device)
+            in_order, span = True, -1
+        row = self.append_rows(position, [token_id])
+        self._in_order = in_order
+        self._span = None if span is None else span + 1
+        return row
+
+    def ordered(self) -> bool:
+        """The valid rows' positions never decrease (read from the device once, then kept)."""
+        if self._in_order is None:
+            pos = self.valid_positions()
+            self._in_order = not bool((pos[1:] < pos[:-1]).any())
+        return self._in_order
+
+    def position_span(self) -> int:
+        """The last row's position minus the first row's (read from the device once, then kept)."""
+        if self._span is None:
+            self._span = int(self.positions[self.length - 1] - self.positions[0]) if self.length else 0
+        return self._span
 
     def adopt(self, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor], capacity: int = 0) -> None:
         """Move to the given per-layer buffers [kvh, >= capacity, d] (views of a :class:`DecodeArena` slot):
@@ -165,6 +198,7 @@ class KVCache:
             raise ValueError(f"truncate length {length} outside [0, {self.length}]")
         self.length = length
         del self.token_ids[length:]
+        self._span = None  # the last position changed; rows left in order stay in order
 
     # -- rows ----------------------------------------------------------------------------------
     def write(self, layer: int, rows: Tensor | slice, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
@@ -204,7 +238,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the valid rows at rest (pre-RoPE K + V in the KV dtype)."""
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        elem = self.kv_dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.length * self.head_dim * elem
 
 
@@ -213,8 +247,8 @@ def row_bytes(
 ) -> int:
     """Bytes one token row takes in a live cache over every layer (pre-RoPE K in the KV dtype, rotated K
     and V in the compute dtype)."""
-    kv = torch.empty((), dtype=kv_dtype).element_size()
-    compute = torch.empty((), dtype=compute_dtype).element_size()
+    kv = kv_dtype.itemsize
+    compute = compute_dtype.itemsize
     return num_layers * num_kv_heads * head_dim * (kv + 2 * compute)
 
 

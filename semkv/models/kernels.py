@@ -170,7 +170,9 @@ def _split_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tens
     for a, b, lo, hi in zip(bounds[:-1], bounds[1:], los, his, strict=True):
         rows = q[:, a:b]
         visible = k_pos[lo:hi].unsqueeze(0) <= q_pos[a:b].unsqueeze(1)  # [n, hi - lo]
-        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~visible, float("-inf")
+        )
         band, band_lse = _folded_attention(rows, k[:, lo:hi], v[:, lo:hi], scaling, bias)
         if lo > 0:
             # A row that sees no key of the band comes back as output 0 with lse 0: give it lse -inf.

@@ -46,7 +46,9 @@ def _pack(weight: Tensor, bias: Tensor | None) -> Tensor | None:
     products differ from ``F.linear``'s on a probe input."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        probe = torch.linspace(-1, 1, 3 * weight.shape[1], dtype=weight.dtype).view(3, -1)
+        probe = torch.linspace(-1, 1, 3 * weight.shape[1], dtype=weight.dtype, device=weight.device).view(
+            3, -1
+        )
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
         want = F.linear(probe, weight, bias)
     except RuntimeError as error:

@@ -151,7 +151,7 @@ def _weights_digest(hf_model: nn.Module, samples_per_tensor: int = 4096) -> str:
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // samples_per_tensor)
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{float(flat.double().sum())!r}".encode())
-        h.update(flat[::step].float().contiguous().numpy().tobytes())
+        h.update(flat[::step].float().cpu().contiguous().numpy().tobytes())  # a host copy
     return h.hexdigest()
 
 

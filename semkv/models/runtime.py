@@ -17,23 +17,32 @@ scattered subset of queries never sees later keys.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from semkv.models.adapters import LlamaFamilyAdapter, apply_rope, apply_rope_rolled, rope_sin_signed
+from semkv.models.adapters import (
+    LlamaFamilyAdapter,
+    apply_rope,
+    apply_rope_into,
+    apply_rope_rolled,
+    rope_sin_signed,
+)
 from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
 from semkv.models.kernels import (
     GemmPlans,
     attention,
     batched_decode_attention,
     decode_products,
-    in_order,
     uses_gemm_kernels,
 )
 from semkv.models.precision import cast_model
+
+Attention = Callable[..., Tensor]  # :func:`~semkv.models.kernels.attention`'s signature
 
 
 class RecomputeSelector(Protocol):
@@ -178,9 +187,8 @@ class WholeBuffers(NamedTuple):
 
 SHARED_BATCH_MIN = 2  # dense in-order sequences in a decode step for them to share one attention call
 # A dense sequence longer than this many times the median length of a step's dense sequences decodes on its
-# own: in the shared call every slot is read up to the longest member, so two 2.1K-token prompts among
-# fourteen of ~800 tokens made a step of 16 cost 1.70x a step of 16 short ones; 1.25x with this rule
-# (measured, bf16, 2 threads).
+# own: in the shared call every slot is read up to the longest member, so a few long prompts among many
+# short ones would make every member pay for the longest (docs/benchmarks.md, batching).
 STRAGGLER_LENGTH = 2.0
 
 
@@ -188,7 +196,7 @@ STRAGGLER_LENGTH = 2.0
 class SharedStep:
     """The sequences of one decode step that attend together over their :class:`DecodeArena` slots.
 
-    members: [n] their indices in the step's batch; slots, rows: [n] their slot and new row; lo, hi: the
+    members: [n] their indices in the step's batch (``member_list`` on the host); slots, rows: [n] their slot and new row; lo, hi: the
     slot range attended over (slots in it that are not members are computed and discarded); pick: [n]
     member slots relative to ``lo``; width: key rows per slot attended over; bias: [hi - lo, 1, 1, width]
     (0 / -inf: rows past each slot's length) or None; span: the largest distance from a member's first
@@ -197,6 +205,7 @@ class SharedStep:
     """
 
     members: Tensor
+    member_list: list[int]
     slots: Tensor
     rows: Tensor
     lo: int
@@ -211,6 +220,24 @@ class SharedStep:
     def covers(self, window: int | None) -> bool:
         """Every member's query sees all its keys on a layer with this window."""
         return window is None or self.span < window
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """One piece of rows for :meth:`Runtime.load_pieces`: pre-RoPE keys and values [L, kvh, rows, d] (any
+    device and float dtype), or neither: ``rows`` rows a forward fills (:meth:`empty`)."""
+
+    k: Tensor | None
+    v: Tensor | None
+    count: int = -1
+
+    @property
+    def rows(self) -> int:
+        return self.count if self.k is None else self.k.shape[2]
+
+    @classmethod
+    def empty(cls, rows: int) -> RowSource:
+        return cls(None, None, rows)
 
 
 class Runtime:
@@ -241,6 +268,9 @@ class Runtime:
         self.compute_dtype = compute_dtype
         self.device = next(adapter.hf_model.parameters()).device
         self.arena: DecodeArena | None = None  # slots of the caches decoding together (decode_batch)
+        # decode attention with masks built once per step, before the layers (no host read in the layer
+        # loop); the CPU keeps its kernels, which read positions on the host where that is cheap
+        self.sync_free_decode = self.device.type != "cpu"
         self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live caches made here
 
     def track(self, cache: KVCache) -> KVCache:
@@ -297,7 +327,7 @@ class Runtime:
             self.arena.claim(cache, capacity)
         return self.track(cache)
 
-    def _tables(self, positions: Tensor) -> RopeTables:
+    def rope_tables(self, positions: Tensor) -> RopeTables:
         """Float32 rotary tables of ``positions``: RoPE is applied in fp32 and rounded once."""
         return RopeTables(self.adapter, positions, torch.empty(0, device=self.device))
 
@@ -308,23 +338,55 @@ class Runtime:
         cos, sin = self.adapter.rotary(positions, layer, k)
         return apply_rope(k, cos, sin).to(self.compute_dtype)
 
-    # -- loading reused KV ----------------------------------------------------------------------
+    # -- loading reused KV: where stored KV crosses to the runtime's device ------------------------
     def load_rows(
         self, cache: KVCache, k_pre: Tensor, v: Tensor, positions: Tensor, token_ids: list[int]
     ) -> int:
-        """Append rows holding reused KV, re-rotated to ``positions``.
+        """Append rows holding reused KV, re-rotated to ``positions``: :meth:`load_pieces` with one piece.
 
-        k_pre, v: [L, kvh, n, d] (any float dtype; rounded to the KV dtype); positions [n].
-        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation: the rows get the
-        bits a prefill under the same settings writes for the same pre-RoPE keys.
-        Returns the first appended row.
+        k_pre, v: [L, kvh, n, d] on any device, in any float dtype; positions [n]. Returns the first
+        appended row.
         """
-        start = cache.append_rows(positions.to(cache.device), token_ids)
-        rows = slice(start, start + positions.shape[0])
-        tables = self._tables(positions.to(cache.device))
+        return self.load_pieces(cache, [RowSource(k_pre, v)], positions, token_ids)
+
+    def load_pieces(
+        self, cache: KVCache, pieces: list[RowSource], positions: Tensor, token_ids: list[int]
+    ) -> int:
+        """Append ``len(token_ids)`` rows at ``positions`` [n], filled piece after piece: a piece with KV
+        ([L, kvh, m, d] pre-RoPE keys and values, e.g. views of stored entries on the host) is copied in
+        and its keys re-rotated to the rows' positions; a piece without (``RowSource.empty(m)``) leaves
+        zeros for a forward to overwrite. This is the one place where stored KV crosses to the device.
+
+        The rows get what a prefill writes for the same pre-RoPE keys: keys rounded to the KV dtype and
+        rotated from there in float32, rounded to the compute dtype; values rounded through the KV dtype.
+        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation. Each layer's pieces are
+        copied straight into the cache's rows and rotated there (:func:`apply_rope_into`) with float32
+        buffers allocated once per call, and one rotary table for all rows. Returns the first row.
+        """
+        count = len(token_ids)
+        if sum(piece.rows for piece in pieces) != count or positions.shape[0] != count:
+            raise ValueError(f"load_pieces: pieces, positions and token ids disagree on {count} rows")
+        positions = positions.to(self.device)
+        start = cache.append_rows(positions, token_ids)
+        rows = slice(start, start + count)
+        shape = (cache.num_kv_heads, count, cache.head_dim)
+        k32 = torch.empty(shape, dtype=torch.float32, device=self.device)
+        turned = torch.empty(shape, dtype=torch.float32, device=self.device)
+        tables = self.rope_tables(positions)
         for layer in range(self.num_layers):
-            kp = cast(k_pre[layer], self.kv_dtype)
-            cache.write(layer, rows, kp, apply_rope(kp.float(), *tables(layer)), v[layer])
+            k_pre, k_rot, v = cache.row_buffers(layer, rows)
+            at = 0
+            for piece in pieces:
+                span = slice(at, at + piece.rows)
+                at = span.stop
+                if piece.k is None or piece.v is None:
+                    k_pre[:, span].zero_()
+                    turned[:, span].zero_()
+                else:
+                    k_pre[:, span].copy_(piece.k[layer])
+                    turned[:, span].copy_(piece.v[layer].to(self.device, self.kv_dtype))
+            v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
+            k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))
         return start
 
     def write_fresh(
@@ -342,86 +404,56 @@ class Runtime:
 
     # -- the layer loop ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_rows(self, cache: KVCache, start: int, selector: RecomputeSelector | None = None) -> Tensor:
-        """Run every layer over cache rows [start, length); return the last row's logits [V].
+    def run_layers(self, hidden: Tensor, layer_pass: LayerPass) -> Tensor | None:
+        """The one per-layer loop every forward runs: prefill, the tail of a hit, a blend's or share's
+        recompute, a probe, a batched decode step.
 
-        Without a selector every row is computed at every layer (plain prefill). With
-        one, the rows are assumed pre-loaded with reused KV and the selector decides,
-        per layer, which rows keep being recomputed. The last row must stay selected.
-        If the cache has a ``query_observer`` it is called at every layer with the rotated
-        queries [nh, A, d] of the rows computed there and their positions [A] (SnapKV/H2O capture).
-        The selector compares keys and values in float32.
+        hidden: [R, H] float32 embeddings of the rows the pass starts with. At each layer the adapter
+        computes queries, keys and values of the current rows; the pass writes the layer's fresh KV,
+        may narrow the rows that go on, and attends (:meth:`LayerPass.step`); the adapter finishes the
+        layer (output projection, residual, MLP). Returns the last layer's hidden rows [R', H], or None
+        when the pass stopped early (a probe past its last layer).
         """
         a = self.adapter
-        count = cache.length - start
-        if count <= 0:
-            raise ValueError("forward_rows needs at least one row to compute")
-        positions = cache.positions[start : cache.length]
-        token_ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=self.device)
-        hidden = a.embed(token_ids).float()
-        active = torch.arange(count, device=self.device)
-        tables = self._tables(positions)
-        fresh_prefix = (
-            start == 0
-            and selector is None
-            and bool((positions == torch.arange(count, device=self.device)).all())
-        )
-        observer = cache.query_observer
-        attend = getattr(selector, "attention", None) or attention
-        # the same position tensors at every layer until the active rows change, so attention plans carry over
-        q_pos, k_pos = positions, cache.valid_positions()
-        plans = GemmPlans()
-        for layer in range(a.num_layers):
+        for layer in range(layer_pass.layers):
             q, k, v = a.qkv(layer, hidden)
-            rows = active + start
-            cos, sin = tables(layer)
-            if active.numel() != count:
-                cos, sin = cos[active], sin[active]
-            if observer is not None:
-                observer(layer, self.rotated_queries(q, cos, sin), q_pos)
-            if selector is None:
-                self.write_fresh(cache, layer, slice(start, cache.length), k, v, cos, sin)
-            else:
-                cached_k = cache.k_pre[layer][:, rows].float()
-                cached_v = cache.v[layer][:, rows].float()
-                k_pre = self.write_fresh(cache, layer, rows, k, v, cos, sin)
-                inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
-                keep = selector.select(layer, active, k_pre.float(), v.float(), cached_k, cached_v, inputs)
-                if keep.numel() == 0 or int(active[keep[-1]]) != count - 1:
-                    raise RuntimeError("a recompute selector must keep the last row")
-                if keep.numel() != active.numel():
-                    active, hidden, q, q_pos, cos, sin = (
-                        active[keep],
-                        hidden[keep],
-                        q[:, keep],
-                        q_pos[keep],
-                        cos[keep],
-                        sin[keep],
-                    )
-            if layer == a.num_layers - 1 and active.numel() > 1:
-                # Only the last row's output matters after the last layer.
-                active, hidden, q, q_pos, cos, sin = (
-                    active[-1:],
-                    hidden[-1:],
-                    q[:, -1:],
-                    q_pos[-1:],
-                    cos[-1:],
-                    sin[-1:],
-                )
-                fresh_prefix = False
-            out = attend(
-                self.rotated_queries(q, cos, sin),
-                cache.keys(layer),
-                cache.values(layer),
-                q_pos,
-                k_pos,
-                a.scaling(layer),
-                a.window(layer),
-                causal_prefix=fresh_prefix,
-                plans=plans,
-            )
+            stepped = layer_pass.step(layer, hidden, q, k, v)
+            if stepped is None:
+                return None
+            hidden, out = stepped
             hidden = a.finish_layer(layer, hidden, out)
-        return a.logits(hidden[-1:])[0]
+        return hidden
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        cache: KVCache,
+        start: int,
+        selector: RecomputeSelector | None = None,
+        rows: Tensor | None = None,
+        attend: Attention | None = None,
+        stop_after: int | None = None,
+    ) -> Tensor | None:
+        """Run cache rows from ``start`` on through the layers; return the last row's logits [V].
+
+        rows: None: every row [start, length) enters layer 0 (a plain prefill, or a selective recompute
+            whose selector narrows them layer by layer); else [R] offsets from ``start`` (ascending) of a
+            fixed set of rows computed from layer 0 on, every other row keeping the KV it holds.
+        selector: with one, the rows are assumed pre-loaded with reused KV and the selector decides, per
+            layer, which rows keep being recomputed (the last row must stay selected). It compares keys
+            and values in float32.
+        attend: the attention kernel (default: the selector's ``attention`` if it has one, else
+            :func:`attention`). stop_after: stop after this layer's KV is written and return None (a
+            probe needs no logits).
+        If the cache has a ``query_observer`` it is called at every layer with the rotated queries
+        [nh, A, d] of the rows computed there and their positions [A] (SnapKV/H2O capture).
+        """
+        if cache.length - start <= 0:
+            raise ValueError("forward_rows needs at least one row to compute")
+        layer_pass = RowsPass(self, cache, start, selector, rows, attend, stop_after)
+        hidden = self.run_layers(layer_pass.first_hidden(), layer_pass)
+        layer_pass.check_last_row_kept()
+        return None if hidden is None else self.adapter.logits(hidden[-1:])[0]
 
     def prefill(self, cache: KVCache, token_ids: list[int], positions: Tensor | None = None) -> Tensor:
         """Append ``token_ids`` at ``positions`` (default: right after the cache) and compute them.
@@ -432,9 +464,11 @@ class Runtime:
             raise ValueError("prefill needs at least one token")
         if positions is None:
             first = int(cache.valid_positions().max()) + 1 if cache.length else 0
-            positions = torch.arange(first, first + len(token_ids), device=self.device)
+            positions = self.positions(first, len(token_ids))
         start = cache.append_rows(positions, token_ids)
-        return self.forward_rows(cache, start)
+        logits = self.forward_rows(cache, start)
+        assert logits is not None
+        return logits
 
     def decode(self, cache: KVCache, token_id: int, gatherer: KeyGatherer | None = None) -> Tensor:
         """Append one token at the next position and return its logits [V].
@@ -458,9 +492,10 @@ class Runtime:
 
         Norms, projections, MLP and lm_head run once over the B stacked rows; RoPE, the cache write and
         attention run per sequence, over its own cache and with its own ``gatherers[i]`` (None: every
-        row). Row i's result does not depend on the other rows: each output element of a matmul is
-        its row's dot products, so up to the BLAS kernel's summation order a batched step gives the
-        logits of B one-sequence steps.
+        row), or together for the sequences bound to the decode arena (:class:`DecodePass`). Row i's
+        result does not depend on the other rows: each output element of a matmul is its row's dot
+        products, so up to the BLAS kernel's summation order a batched step gives the logits of B
+        one-sequence steps.
         """
         count = len(caches)
         if count == 0 or len(token_ids) != count:
@@ -468,77 +503,33 @@ class Runtime:
         gatherers = gatherers if gatherers is not None else [None] * count
         if len(gatherers) != count:
             raise ValueError(f"decode_batch needs one gatherer (or None) per cache, got {len(gatherers)}")
-        a = self.adapter
-        slots = [
-            self._append_decode_row(cache, token) for cache, token in zip(caches, token_ids, strict=True)
-        ]
-        positions = torch.cat(
-            [cache.positions[row : row + 1] for cache, row in zip(caches, slots, strict=True)]
-        )
-        hidden = a.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)).float()
-        tables = self._tables(positions)
-        k_pos = [cache.valid_positions() for cache in caches]
-        ordered = [in_order(p) for p in k_pos]  # once per step, not per layer
-        shared = self._shared_step(caches, slots, gatherers, ordered, kv_limit)
-        members = set(shared.members.tolist()) if shared is not None else set()
-        whole = [  # the arena's members attend together (or, on window layers, over their window)
-            None if i in members else self._whole_buffers(cache, ordered[i]) for i, cache in enumerate(caches)
-        ]
-        for layer in range(a.num_layers):
-            q, k, v = a.qkv(layer, hidden)  # [nh, B, d], [kvh, B, d], [kvh, B, d]
-            # RoPE is row-wise: rotate every row, queries and keys, at once (keys rounded to the KV dtype
-            # first, as write_fresh does); the same bits as rotating each (apply_rope_rolled)
-            k_pre = cast(k, self.kv_dtype)
-            turned = apply_rope_rolled(torch.cat((q.float(), k_pre.float())), *tables.rolled(layer))
-            q_rot_all, k_rot = turned[: q.shape[0]].to(self.compute_dtype), turned[q.shape[0] :]
-            together = shared is not None and shared.covers(a.window(layer))
-            got = None
-            if shared is not None:
-                got = self._shared_attention(shared, layer, q_rot_all, k_pre, k_rot, v, together)
-            if got is not None and shared is not None and shared.everyone:
-                hidden = a.finish_layer(layer, hidden, got)
-                continue
-            out = q_rot_all.new_empty(count, q_rot_all.shape[0] * q_rot_all.shape[2])
-            if got is not None and shared is not None:
-                out[shared.members] = got
-            for i, (cache, row, gatherer) in enumerate(zip(caches, slots, gatherers, strict=True)):
-                if i in members and together:
-                    continue
-                one = slice(i, i + 1)
-                if i not in members:
-                    cache.write(layer, slice(row, row + 1), k_pre[:, one], k_rot[:, one], v[:, one])
-                q_rot = q_rot_all[:, one]
-                keys, values, key_pos, known = cache.keys(layer), cache.values(layer), k_pos[i], ordered[i]
-                if gatherer is not None:
-                    picked = gatherer.gather(layer, q_rot, cache)
-                    if picked is not None:
-                        out[one] = self._gathered_attention(layer, q_rot, positions[one], picked)
-                        continue
-                span = whole[i]
-                if span is not None and a.window(layer) is None and span.fits(cache, layer):
-                    scaled = q_rot * a.scaling(layer)
-                    out[one] = decode_products(scaled, cache.k_rot[layer], cache.v[layer], span.bias)
-                    continue
-                out[one] = attention(
-                    q_rot,
-                    keys,
-                    values,
-                    positions[one],
-                    key_pos,
-                    a.scaling(layer),
-                    a.window(layer),
-                    ordered=known,
-                )
-            hidden = a.finish_layer(layer, hidden, out)
-        return a.logits(hidden)
+        layer_pass = DecodePass(self, caches, token_ids, gatherers, kv_limit)
+        hidden = self.run_layers(layer_pass.first_hidden(), layer_pass)
+        assert hidden is not None
+        return self.adapter.logits(hidden)
 
-    def _whole_buffers(self, cache: KVCache, ordered: bool) -> WholeBuffers | None:
+    # -- a step's index and position tensors, built here on the runtime's device -------------------
+    def positions(self, first: int, count: int) -> Tensor:
+        """[count] positions first, first + 1, ... on the runtime's device."""
+        return torch.arange(first, first + count, dtype=torch.long, device=self.device)
+
+    def index(self, values: list[int] | list[bool] | Tensor, dtype: torch.dtype = torch.long) -> Tensor:
+        """A host list (token ids, row offsets, flags) or tensor as a tensor on the runtime's device."""
+        if isinstance(values, Tensor):
+            return values.to(self.device, dtype)
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A random generator on the runtime's device seeded with ``seed`` (sampling draws on the device
+        its logits are on)."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def whole_buffers(self, cache: KVCache, ordered: bool) -> WholeBuffers | None:
         """How this step's global layers attend over the cache's whole buffers (their rows and mask), or
         None (over its valid rows).
 
         torch's CPU batched matmul copies an operand that is a leading slice of a buffer ([kvh, length, d]
-        of [kvh, rows, d]) before multiplying, and reads a whole contiguous buffer as it is (bf16,
-        [3, 7800 of 8192, 64]: keys 257 vs 189 us, values 176 vs 100 us with the copy and without). So on
+        of [kvh, rows, d]) before multiplying, and reads a whole contiguous buffer as it is. So on
         CPU in bf16 / fp16, when every row precedes the new one (``ordered``: positions in order, the new
         row last) and the padding is at most a quarter of the rows, the whole buffer is read with the rows
         past the length masked (finite: :meth:`KVCache.reserve` zeroes them; an arena slot's are zeros or
@@ -554,6 +545,277 @@ class Runtime:
             bias[:, cache.length :] = float("-inf")
         return WholeBuffers(rows, bias)
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's row takes in a live cache (pre-RoPE K in the KV dtype, rotated K and V in the
+        compute dtype, every layer)."""
+        a = self.adapter
+        return row_bytes(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.compute_dtype)
+
+
+class LayerPass(Protocol):
+    """One forward through the layers, run by :meth:`Runtime.run_layers`: what each layer writes, which
+    rows go on, and what they attend to."""
+
+    layers: int  # layers run, from layer 0
+
+    def first_hidden(self) -> Tensor:
+        """[R, H] float32 embeddings of the rows entering layer 0."""
+        ...
+
+    def step(
+        self, layer: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """Write ``layer``'s fresh KV of the pass's rows and attend.
+
+        hidden: [R, H] the rows entering the layer; q: [nh, R, d], k, v: [kvh, R, d] their pre-RoPE
+        projections. Returns (hidden [R', H] of the rows that go on, their attention output [R', nh * d]),
+        or None to stop the pass here.
+        """
+        ...
+
+
+class RowsPass:
+    """:meth:`Runtime.forward_rows`' pass: rows of one cache from ``start`` on (all of them or a fixed
+    set), optionally narrowed layer by layer by a :class:`RecomputeSelector`.
+
+    Each layer writes the active rows' fresh keys rounded to the KV dtype and rotated from there in
+    float32 (:meth:`Runtime.write_fresh`), rotates their queries in float32 and rounds them to the compute
+    dtype, and attends over every valid row of the cache with a mask from positions. After the last
+    layer only the last row's output is needed, so only it goes through the last attention.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        cache: KVCache,
+        start: int,
+        selector: RecomputeSelector | None,
+        rows: Tensor | None,
+        attend: Attention | None,
+        stop_after: int | None,
+    ) -> None:
+        a = runtime.adapter
+        self.runtime, self.cache, self.start, self.selector = runtime, cache, start, selector
+        self.count = cache.length - start
+        positions = cache.positions[start : cache.length]
+        self.every_row = rows is None
+        self.active = runtime.positions(0, self.count) if rows is None else runtime.index(rows)
+        self.q_pos = positions if rows is None else positions[self.active]
+        # rotary tables of the entering rows only; ``table_rows`` picks the active ones once rows drop out
+        self.tables = runtime.rope_tables(self.q_pos)
+        self.table_rows: Tensor | None = None
+        # one key-position tensor for every layer, so attention plans carry over
+        self.k_pos = cache.valid_positions()
+        self.fresh_prefix = (
+            rows is None
+            and start == 0
+            and selector is None
+            and bool((positions == runtime.positions(0, self.count)).all())
+        )
+        self.observer = cache.query_observer
+        self.attend: Attention = attend or getattr(selector, "attention", None) or attention
+        self.compares_cached = getattr(selector, "compares_cached", True)
+        self.stop_after = stop_after
+        self.layers = a.num_layers if stop_after is None else min(stop_after, a.num_layers - 1) + 1
+        self.plans = GemmPlans()
+        self.last_kept: Tensor | None = None  # [] bool on the device: the selector kept the last row so far
+
+    def first_hidden(self) -> Tensor:
+        ids = self.runtime.index(self.cache.token_ids[self.start : self.cache.length])
+        return self.runtime.adapter.embed(ids if self.every_row else ids[self.active]).float()
+
+    def step(
+        self, layer: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        runtime, cache, a = self.runtime, self.cache, self.runtime.adapter
+        cos, sin = self.tables(layer)
+        if self.table_rows is not None:
+            cos, sin = cos[self.table_rows], sin[self.table_rows]
+        rows = self.active + self.start
+        if self.observer is not None:
+            self.observer(layer, runtime.rotated_queries(q, cos, sin), self.q_pos)
+        if self.selector is None:
+            written = slice(self.start, cache.length) if self.every_row else rows
+            runtime.write_fresh(cache, layer, written, k, v, cos, sin)
+        else:
+            hidden, q, cos, sin = self._select(layer, rows, hidden, q, k, v, cos, sin)
+        if self.stop_after is not None and layer >= self.stop_after:
+            return None
+        if layer == a.num_layers - 1 and self.active.numel() > 1:
+            # Only the last row's output matters after the last layer.
+            last = torch.tensor([self.active.numel() - 1], device=self.active.device)
+            hidden, q, cos, sin = self._narrow(last, hidden, q, cos, sin)
+            self.fresh_prefix = False
+        out = self.attend(
+            runtime.rotated_queries(q, cos, sin),
+            cache.keys(layer),
+            cache.values(layer),
+            self.q_pos,
+            self.k_pos,
+            a.scaling(layer),
+            a.window(layer),
+            causal_prefix=self.fresh_prefix,
+            plans=self.plans,
+        )
+        return hidden, out
+
+    def _select(
+        self,
+        layer: int,
+        rows: Tensor,
+        hidden: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Write the active rows' fresh KV, ask the selector which go on, and narrow to them."""
+        runtime, cache, selector = self.runtime, self.cache, self.selector
+        assert selector is not None
+        cached_k = cached_v = None
+        if self.compares_cached:
+            cached_k = cache.k_pre[layer][:, rows].float()
+            cached_v = cache.v[layer][:, rows].float()
+        k_pre = runtime.write_fresh(cache, layer, rows, k, v, cos, sin)
+        inputs = LayerInputs.at(runtime.adapter, cache, layer, q, cos, sin, self.q_pos, self.start)
+        fresh_k, fresh_v = (k_pre.float(), v.float()) if self.compares_cached else (k_pre, v)
+        keep = selector.select(layer, self.active, fresh_k, fresh_v, cached_k, cached_v, inputs)
+        if keep.numel() == 0:
+            raise RuntimeError("a recompute selector must keep the last row")
+        kept_last = self.active[keep[-1]] == self.count - 1  # checked once, after the loop (no sync here)
+        self.last_kept = kept_last if self.last_kept is None else self.last_kept & kept_last
+        if keep.numel() != self.active.numel():
+            hidden, q, cos, sin = self._narrow(keep, hidden, q, cos, sin)
+        return hidden, q, cos, sin
+
+    def _narrow(
+        self, keep: Tensor, hidden: Tensor, q: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Keep the active rows ``keep`` [K] (indices into the active rows) from here on."""
+        self.active, self.q_pos = self.active[keep], self.q_pos[keep]
+        self.table_rows = keep if self.table_rows is None else self.table_rows[keep]
+        return hidden[keep], q[:, keep], cos[keep], sin[keep]
+
+    def check_last_row_kept(self) -> None:
+        """Raise if the selector dropped the last row at some layer (one host read, after the loop)."""
+        if self.last_kept is not None and not bool(self.last_kept):
+            raise RuntimeError("a recompute selector must keep the last row")
+
+
+class DecodePass:
+    """:meth:`Runtime.decode_batch`'s pass: one new row per cache.
+
+    Sequences bound to the runtime's :class:`DecodeArena` (dense, in position order) write and attend
+    together (:class:`SharedStep`); the others write their row and attend over their own cache, or over
+    the rows their :class:`KeyGatherer` hands over. Everything a step needs besides the layer's
+    projections (slots, positions, rotary tables, masks) is built once, before the first layer.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        caches: list[KVCache],
+        token_ids: list[int],
+        gatherers: list[KeyGatherer | None],
+        kv_limit: int | None,
+    ) -> None:
+        self.runtime, self.caches, self.token_ids, self.gatherers = runtime, caches, token_ids, gatherers
+        self.layers = runtime.num_layers
+        self.slots = [cache.append_next(token) for cache, token in zip(caches, token_ids, strict=True)]
+        self.q_pos = torch.cat(
+            [cache.positions[row : row + 1] for cache, row in zip(caches, self.slots, strict=True)]
+        )
+        self.tables = runtime.rope_tables(self.q_pos)
+        self.k_pos = [cache.valid_positions() for cache in caches]
+        self.ordered = [cache.ordered() for cache in caches]  # once per step, not per layer
+        self.shared = self._shared_step(caches, self.slots, gatherers, self.ordered, kv_limit)
+        self.members = set(self.shared.member_list) if self.shared is not None else set()
+        self.biases: dict[tuple[int, int | None], Tensor] = {}  # (sequence, window) -> mask of this step
+        self.whole = [  # the arena's members attend together (or, on window layers, over their window)
+            None if i in self.members else runtime.whole_buffers(cache, self.ordered[i])
+            for i, cache in enumerate(caches)
+        ]
+
+    def first_hidden(self) -> Tensor:
+        return self.runtime.adapter.embed(self.runtime.index(self.token_ids)).float()
+
+    def step(self, layer: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        runtime, a, shared = self.runtime, self.runtime.adapter, self.shared
+        # RoPE is row-wise: rotate every row, queries and keys, at once (keys rounded to the KV dtype
+        # first, as write_fresh does); the same bits as rotating each (apply_rope_rolled)
+        k_pre = cast(k, runtime.kv_dtype)
+        turned = apply_rope_rolled(torch.cat((q.float(), k_pre.float())), *self.tables.rolled(layer))
+        q_rot_all, k_rot = turned[: q.shape[0]].to(runtime.compute_dtype), turned[q.shape[0] :]
+        together = shared is not None and shared.covers(a.window(layer))
+        got = None
+        if shared is not None:
+            got = self._shared_attention(shared, layer, q_rot_all, k_pre, k_rot, v, together)
+            if got is not None and shared.everyone:
+                return hidden, got
+        out = q_rot_all.new_empty(len(self.caches), q_rot_all.shape[0] * q_rot_all.shape[2])
+        if got is not None and shared is not None:
+            out[shared.members] = got
+        for i, (cache, row, gatherer) in enumerate(zip(self.caches, self.slots, self.gatherers, strict=True)):
+            if i in self.members and together:
+                continue
+            one = slice(i, i + 1)
+            if i not in self.members:
+                cache.write(layer, slice(row, row + 1), k_pre[:, one], k_rot[:, one], v[:, one])
+            out[one] = self._own_attention(layer, i, q_rot_all[:, one], gatherer)
+        return hidden, out
+
+    def _own_attention(self, layer: int, i: int, q_rot: Tensor, gatherer: KeyGatherer | None) -> Tensor:
+        """Attention [1, nh * d] of sequence ``i``'s new row (q_rot [nh, 1, d]) over its own cache, or over
+        what its gatherer hands over."""
+        a, cache = self.runtime.adapter, self.caches[i]
+        one = slice(i, i + 1)
+        if gatherer is not None:
+            picked = gatherer.gather(layer, q_rot, cache)
+            if picked is not None:
+                return self._gathered_attention(layer, q_rot, self.q_pos[one], picked)
+        span = self.whole[i]
+        if span is not None and a.window(layer) is None and span.fits(cache, layer):
+            return decode_products(q_rot * a.scaling(layer), cache.k_rot[layer], cache.v[layer], span.bias)
+        if self.runtime.sync_free_decode:
+            return self._masked_attention(layer, i, q_rot)
+        return attention(
+            q_rot,
+            cache.keys(layer),
+            cache.values(layer),
+            self.q_pos[one],
+            self.k_pos[i],
+            a.scaling(layer),
+            a.window(layer),
+            ordered=self.ordered[i],
+        )
+
+    def _masked_attention(self, layer: int, i: int, q_rot: Tensor) -> Tensor:
+        """Attention [1, nh * d] of sequence ``i``'s new row over its own cache through torch's fused kernel,
+        with the additive mask [1, 1, 1, T] of its positions for this layer's window, built once per step
+        and window on the device (nothing read back to the host)."""
+        a, cache = self.runtime.adapter, self.caches[i]
+        window = a.window(layer)
+        bias = self.biases.get((i, window))
+        if bias is None:
+            q_pos, k_pos = self.q_pos[i : i + 1], self.k_pos[i]
+            hidden = k_pos > q_pos
+            if window is not None:
+                hidden |= q_pos - k_pos >= window
+            bias = torch.zeros(hidden.shape, dtype=q_rot.dtype, device=q_rot.device)
+            bias = bias.masked_fill_(hidden, float("-inf")).view(1, 1, 1, -1)
+            self.biases[(i, window)] = bias
+        keys, values = cache.keys(layer).unsqueeze(0), cache.values(layer).unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q_rot.unsqueeze(0),
+            keys,
+            values,
+            attn_mask=bias,
+            scale=a.scaling(layer),
+            enable_gqa=q_rot.shape[0] != keys.shape[1],
+        )
+        return out[0].transpose(0, 1).reshape(1, -1)
+
     def _gathered_attention(
         self, layer: int, q_rot: Tensor, q_pos: Tensor, picked: GatheredRows | tuple[Tensor, Tensor, Tensor]
     ) -> Tensor:
@@ -563,8 +825,8 @@ class Runtime:
         :func:`~semkv.models.kernels.decode_products` (the same products as :func:`attention`, without
         building and checking the mask at every layer)."""
         keys, values, key_pos = picked[0], picked[1], picked[2]
-        scaling = self.adapter.scaling(layer)
-        window = self.adapter.window(layer)
+        scaling = self.runtime.adapter.scaling(layer)
+        window = self.runtime.adapter.window(layer)
         if (
             uses_gemm_kernels(q_rot.device, q_rot.dtype)
             and window is None
@@ -590,39 +852,39 @@ class Runtime:
         members = [i for i, (g, o) in enumerate(zip(gatherers, ordered, strict=True)) if g is None and o]
         members = _without_stragglers([caches[i].length for i in members], members)
         if len(members) < SHARED_BATCH_MIN:
-            if self.arena is not None and not self.arena.occupied():
-                self.arena = None
+            if self.runtime.arena is not None and not self.runtime.arena.occupied():
+                self.runtime.arena = None
             return None
-        max_growth = None if kv_limit is None else kv_limit - self.kv_held_bytes()
-        if self.arena is None:
-            self.arena = DecodeArena(caches[members[0]])
-        placed = self.arena.bind([caches[i] for i in members], max_growth)
+        max_growth = None if kv_limit is None else kv_limit - self.runtime.kv_held_bytes()
+        if self.runtime.arena is None:
+            self.runtime.arena = DecodeArena(caches[members[0]])
+        placed = self.runtime.arena.bind([caches[i] for i in members], max_growth)
         members = [i for i, slot in zip(members, placed, strict=True) if slot is not None]
         if len(members) < SHARED_BATCH_MIN:
-            if not self.arena.occupied():
-                self.arena = None
+            if not self.runtime.arena.occupied():
+                self.runtime.arena = None
             return None
         slots = [slot for slot in placed if slot is not None]
         lo, hi = min(slots), max(slots) + 1
         lengths = [caches[i].length for i in members]
         longest = max(lengths)
         # A whole slot is one contiguous matrix per head, which the matmul reads without a copy: worth
-        # up to ~1.25x padded rows (bf16, 8 sequences x 835 keys, 30 layers of cold buffers: 17.0 ms
-        # over whole 896-row slots, 20.1 ms over the 835 rows of each).
-        width = self.arena.capacity if 4 * self.arena.capacity <= 5 * longest else longest
-        pick = torch.tensor(slots, device=self.device) - lo
-        seen = torch.full((hi - lo,), width, dtype=torch.long, device=self.device)
-        seen[pick] = torch.tensor(lengths, device=self.device)
+        # reading up to a quarter more (padded) rows for.
+        width = self.runtime.arena.capacity if 4 * self.runtime.arena.capacity <= 5 * longest else longest
+        pick = torch.tensor(slots, device=self.runtime.device) - lo
+        seen = torch.full((hi - lo,), width, dtype=torch.long, device=self.runtime.device)
+        seen[pick] = torch.tensor(lengths, device=self.runtime.device)
         bias = None
-        if bool((seen < width).any()):
-            hidden = torch.arange(width, device=self.device).unsqueeze(0) >= seen.unsqueeze(1)
-            bias = torch.zeros(hidden.shape, dtype=self.compute_dtype, device=self.device)
+        if any(length < width for length in lengths):  # host lengths: no device read
+            hidden = torch.arange(width, device=self.runtime.device).unsqueeze(0) >= seen.unsqueeze(1)
+            bias = torch.zeros(hidden.shape, dtype=self.runtime.compute_dtype, device=self.runtime.device)
             bias = bias.masked_fill_(hidden, float("-inf")).view(hi - lo, 1, 1, width)
-        span = max(int(caches[i].positions[caches[i].length - 1] - caches[i].positions[0]) for i in members)
+        span = max(caches[i].position_span() for i in members)
         return SharedStep(
-            members=torch.tensor(members, device=self.device),
-            slots=torch.tensor(slots, device=self.device),
-            rows=torch.tensor([rows[i] for i in members], device=self.device),
+            members=torch.tensor(members, device=self.runtime.device),
+            member_list=members,
+            slots=torch.tensor(slots, device=self.runtime.device),
+            rows=torch.tensor([rows[i] for i in members], device=self.runtime.device),
             lo=lo,
             hi=hi,
             pick=pick,
@@ -646,7 +908,7 @@ class Runtime:
         """Write the members' new rows at ``layer`` (one indexed write per buffer) and, if ``attend``,
         return their attention [n, nh * d] in member order (one batched call over the arena's slots
         lo..hi). q_rot: [nh, B, d]; k_pre, k_rot, v: [kvh, B, d]."""
-        arena = self.arena
+        arena = self.runtime.arena
         assert arena is not None
 
         def rows_of(x: Tensor) -> Tensor:
@@ -657,7 +919,7 @@ class Runtime:
             return None
         nh, _, d = q_rot.shape
         span = slice(shared.lo, shared.hi)
-        queries = rows_of(q_rot) * self.adapter.scaling(layer)  # [n, nh, d]
+        queries = rows_of(q_rot) * self.runtime.adapter.scaling(layer)  # [n, nh, d]
         if not shared.slot_order:
             padded = queries.new_zeros(shared.hi - shared.lo, nh, d)
             padded[shared.pick] = queries
@@ -667,17 +929,6 @@ class Runtime:
             queries, arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width], shared.bias
         )
         return got if shared.slot_order else got[shared.pick]
-
-    def _append_decode_row(self, cache: KVCache, token_id: int) -> int:
-        """Claim the row of a decoded token at the cache's next position; returns the row."""
-        position = int(cache.positions[cache.length - 1]) + 1 if cache.length else 0
-        return cache.append_rows(torch.tensor([position], device=self.device), [token_id])
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token's row takes in a live cache (pre-RoPE K in the KV dtype, rotated K and V in the
-        compute dtype, every layer)."""
-        a = self.adapter
-        return row_bytes(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype, self.compute_dtype)
 
 
 def _without_stragglers(lengths: list[int], members: list[int]) -> list[int]:

@@ -15,16 +15,15 @@ Chunk precompute
     by default (``sink="bos"``) a chunk is computed after the BOS token (SmolLM2:
     ``<|im_start|>``), whose KV is then dropped; ``"template"`` computes it after the
     model's default chat-template prefix (system turn + user header); ``"none"`` alone.
-    Measured (``semkv bench blend``, 4 chunks x 512 tokens, 6 questions, first-token KL
-    to full prefill): ratio 0: bos 0.15, none 0.49; ratio 0.15: bos 0.09, none 0.08,
-    template 0.25 — so "bos" is the default. The sink tokens' digest is kept in the
+    ``"bos"`` is the default: it gave the lowest first-token KL to full prefill at ratio 0
+    (``docs/benchmarks.md``). The sink tokens' digest is kept in the
     entry's metadata and checked on every hit: a chunk made with another sink is a miss
     (and is replaced when recomputed).
 
 Prefill (the blend)
     1. the longest exact prefix hit (``reuse/prefix.py``) is loaded as exact prefix reuse,
        never blended (it usually covers the template, sometimes the first chunk(s));
-    2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_rows`
+    2. each stored chunk's KV is loaded at its new positions (:meth:`Runtime.load_pieces`
        re-applies RoPE to the stored pre-RoPE keys: exact);
     3. the uncached rows (template rest, body, suffix, chunks not stored) are appended and always
        recomputed (``forced``). A chunk is stored with the separator that follows it in every prompt
@@ -42,8 +41,7 @@ Prefill (the blend)
        (APE-style, :class:`~semkv.reuse.selection.base.ContextScaling`). The probe, and a recompute whose
        rows are known before the forward (check layer 0, a selector that does not use deviation), run
        only their rows from layer 0 on (:func:`~semkv.reuse.selective.forward_fixed_rows`): the same
-       logits, without every row's layer-0 projections and the per-layer gathers (HotpotQA dev, ~4K
-       tokens, SmolLM2: query@0.15 TTFT 3.46x -> 3.75x full prefill's; Gemma 3: 3.38x -> 4.48x).
+       logits, without every row's layer-0 projections and the per-layer gathers.
 
 The outcome is never exact (``exact=False``): blended KV is never stored as prefix
 blocks. After the first token, the exact rows before the first reused chunk row are
@@ -63,9 +61,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from semkv.models.adapters import apply_rope_into
 from semkv.models.cache import KVCache
-from semkv.models.runtime import RopeTables, Runtime, attention
+from semkv.models.runtime import RowSource, attention
 from semkv.prompt import PromptLayout, Segment, build_layout, separator_ids, tokenize_text
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
@@ -262,7 +259,7 @@ class BlendReuse:
         forced: list[bool] = []
         query: list[bool] = []
         offsets: list[int] = []
-        pieces: list[tuple[KVEntry | None, int, int]] = []  # per segment after the prefix: entry, from, to
+        pieces: list[RowSource] = []  # per segment after the prefix: its rows of a stored entry, or none
         with ctx.store.pinned(held):
             stored = []
             if plan.prefix_tokens:
@@ -272,16 +269,20 @@ class BlendReuse:
                 if e <= plan.prefix_tokens:
                     continue
                 first = max(s, plan.prefix_tokens)
-                pieces.append((entry, at + first - s, at + e - s))
+                lo, hi = at + first - s, at + e - s
+                pieces.append(
+                    RowSource.empty(hi - lo)
+                    if entry is None
+                    else RowSource(entry.k[:, :, lo:hi], entry.v[:, :, lo:hi])
+                )
                 forced.extend([_forced(seg, entry, config.selector)] * (e - first))
                 query.extend([seg.kind in ("body", "suffix")] * (e - first))
                 reused = seg.kind == "chunk" or entry is not None
                 offsets.extend(range(at + first - s, at + e - s) if reused else [-1] * (e - first))
-            _load_pieces(runtime, cache, pieces, layout.token_ids[plan.prefix_tokens :], plan.prefix_tokens)
+            positions = runtime.positions(plan.prefix_tokens, len(layout) - plan.prefix_tokens)
+            runtime.load_pieces(cache, pieces, positions, layout.token_ids[plan.prefix_tokens :])
         rows = RowInfo(
-            torch.tensor(forced, dtype=torch.bool),
-            torch.tensor(query, dtype=torch.bool),
-            torch.tensor(offsets, dtype=torch.long),
+            runtime.index(forced, torch.bool), runtime.index(query, torch.bool), runtime.index(offsets)
         )
         recompute = self._recompute(ctx, config, rows, cache, start)
         keep = recompute.preselect() if cache.query_observer is None else None
@@ -404,47 +405,3 @@ def _stored_rows(
         carried = (entry, e - s) if seg.kind == "chunk" and entry is not None and separator_in_chunk else None
         out.append((seg, s, e, entry, at))
     return out
-
-
-def _load_pieces(
-    runtime: Runtime,
-    cache: KVCache,
-    pieces: list[tuple[KVEntry | None, int, int]],
-    token_ids: list[int],
-    first: int,
-) -> None:
-    """Append the rows after the exact prefix, at positions ``first`` on, layer by layer: each piece
-    (entry, from, to) is rows [from, to) of a stored chunk's KV, or, without an entry, rows that hold no
-    reused KV (zeros until the forward writes their fresh KV).
-
-    The rows get what :meth:`Runtime.load_rows` writes (keys rounded to the KV dtype and rotated from
-    there in float32, rounded to the compute dtype; values rounded through the KV dtype), with one rotary
-    table for all rows of a layer: each piece is copied straight into the cache's rows
-    (:meth:`KVCache.row_buffers`), and the keys are rotated from there
-    (:func:`~semkv.models.adapters.apply_rope_into`) in float32 buffers allocated once (fresh multi-MB
-    temporaries per layer and chunk cost more in page faults than the arithmetic); the values pass through
-    one of them on their way to the compute dtype.
-    """
-    positions = torch.arange(first, first + len(token_ids), device=runtime.device)
-    start = cache.append_rows(positions, token_ids)
-    rows = slice(start, start + len(token_ids))
-    shape = (cache.num_kv_heads, len(token_ids), cache.head_dim)
-    k32, turned = (
-        torch.empty(shape, dtype=torch.float32, device=runtime.device),
-        torch.empty(shape, dtype=torch.float32, device=runtime.device),
-    )
-    tables = RopeTables(runtime.adapter, positions, torch.empty(0, device=runtime.device))
-    for layer in range(runtime.num_layers):
-        k_pre, k_rot, v = cache.row_buffers(layer, rows)
-        at = 0
-        for entry, lo, hi in pieces:
-            piece = slice(at, at + hi - lo)
-            at = piece.stop
-            if entry is None:
-                k_pre[:, piece].zero_()
-                turned[:, piece].zero_()
-            else:
-                k_pre[:, piece].copy_(entry.k[layer, :, lo:hi])
-                turned[:, piece].copy_(entry.v[layer, :, lo:hi].to(runtime.device, runtime.kv_dtype))
-        v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is ~5x slower on CPU (see cast)
-        k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))

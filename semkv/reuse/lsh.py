@@ -99,7 +99,11 @@ def positional_features(positions: Tensor, config: SimHashConfig) -> Tensor:
     """positions [T] -> unit-norm sinusoid features [T, position_features] (float32)."""
     half = config.position_features // 2
     wavelengths = torch.logspace(
-        math.log10(config.min_wavelength), math.log10(config.max_wavelength), half, dtype=torch.float64
+        math.log10(config.min_wavelength),
+        math.log10(config.max_wavelength),
+        half,
+        dtype=torch.float64,
+        device=positions.device,
     )
     angles = positions.to(torch.float64).unsqueeze(1) * (2 * math.pi / wavelengths).unsqueeze(0)
     feats = torch.cat([angles.sin(), angles.cos()], dim=1) / math.sqrt(half)
@@ -110,28 +114,33 @@ class TokenHasher:
     """SimHash of (centred, normalised embedding ; weighted positional features).
 
     center: [H] vector subtracted from every embedding (the vocabulary mean).
+    The planes are drawn on the host from ``config.seed`` (the same planes on every device) and meet the
+    embeddings on the embeddings' device.
     """
 
     def __init__(self, config: SimHashConfig, hidden_size: int, center: Tensor | None = None) -> None:
         self.config = config
         self.hidden_size = hidden_size
         self.center = (
-            center.detach().float().reshape(hidden_size) if center is not None else torch.zeros(hidden_size)
+            center.detach().float().reshape(hidden_size)
+            if center is not None
+            else torch.zeros(hidden_size, device="cpu")
         )
-        generator = torch.Generator().manual_seed(config.seed)
+        generator = torch.Generator(device="cpu").manual_seed(config.seed)
         dim = hidden_size + config.position_features
-        self.planes = torch.randn(dim, config.total_bits, generator=generator)
+        self.planes = torch.randn(dim, config.total_bits, generator=generator, device="cpu")
 
     def vectors(self, embeddings: Tensor, positions: Tensor) -> Tensor:
-        """embeddings [T, H], positions [T] -> the hashed vectors [T, H + position_features]."""
-        e = embeddings.detach().float() - self.center
+        """embeddings [T, H], positions [T] (on the embeddings' device) -> the hashed vectors
+        [T, H + position_features]."""
+        e = embeddings.detach().float() - self.center.to(embeddings.device)
         e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-12)
         p = positional_features(positions, self.config) * self.config.position_weight
         return torch.cat([e, p], dim=1)
 
     def bits(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         """bool [T, tables * bits]."""
-        return self.vectors(embeddings, positions) @ self.planes > 0
+        return self.vectors(embeddings, positions) @ self.planes.to(embeddings.device) > 0
 
     def signatures(self, embeddings: Tensor, positions: Tensor) -> Tensor:
         """Packed signatures int64 [T, tables]."""
@@ -141,13 +150,13 @@ class TokenHasher:
 def pack_bits(bits: Tensor, bits_per_table: int) -> Tensor:
     """bool [T, tables * bits] -> int64 [T, tables]."""
     t = bits.shape[0]
-    weights = 1 << torch.arange(bits_per_table, dtype=torch.int64)
+    weights = 1 << torch.arange(bits_per_table, dtype=torch.int64, device=bits.device)
     return (bits.view(t, -1, bits_per_table).to(torch.int64) * weights).sum(-1)
 
 
 def unpack_bits(signatures: Tensor, bits_per_table: int) -> Tensor:
     """int64 [T, tables] -> bool [T, tables * bits] (inverse of :func:`pack_bits`)."""
-    shifts = torch.arange(bits_per_table, dtype=torch.int64)
+    shifts = torch.arange(bits_per_table, dtype=torch.int64, device=signatures.device)
     return ((signatures.unsqueeze(-1) >> shifts) & 1).bool().reshape(signatures.shape[0], -1)
 
 

@@ -43,10 +43,13 @@ def lookup_prefix(
     digests = prefix_digests(store.fingerprint, block_size, token_ids, namespace)
     for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids, namespace)):
         expect = token_ids[index * block_size : (index + 1) * block_size]
-        entry = store.get(key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]})
+        entry = store.get(
+            key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]}, chain=False
+        )
         if entry is None or entry.block_size != block_size:
             break
         found.append(entry)
+    store.touch_chain([entry.key for entry in found])  # once, leaf first: linear in the chain
     return found
 
 
@@ -79,7 +82,7 @@ def load_prefix(
     k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
     v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
     token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
-    ctx.runtime.load_rows(cache, k, v, torch.arange(num_tokens), token_ids)
+    ctx.runtime.load_rows(cache, k, v, ctx.runtime.positions(0, num_tokens), token_ids)
     return stored_summaries(blocks, num_tokens, ctx.block_size)
 
 
@@ -125,9 +128,11 @@ def store_prefix(
                 parent=parent,
                 extras=summary_extras(summaries, index),
                 meta={PREFIX_DIGEST_META: digests[index]},
-            )
+            ),
+            chain=False,
         )
         written += 1
+    ctx.store.touch_chain(keys[: missing[-1] + 1])  # once, leaf first: linear in the chain
     return written
 
 

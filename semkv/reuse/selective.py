@@ -15,7 +15,6 @@ layer 0 on, with ``forward_rows``' arithmetic.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,12 +23,11 @@ from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.models.kernels import GemmPlans
-from semkv.models.runtime import LayerInputs, RopeTables, Runtime, attention
+from semkv.models.runtime import Attention, LayerInputs, Runtime, attention
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector, ScoreView
 from semkv.reuse.selection.deviation import DeviationSelector
 
 DeviationOn = Literal["k", "v", "kv"]
-Attention = Callable[..., Tensor]  # :func:`semkv.models.runtime.attention`'s signature
 
 
 def check_schedule(schedule: dict[int, float]) -> None:
@@ -90,7 +88,7 @@ class SelectiveRecompute:
         writes (a token's layer-0 keys and values do not depend on its context)."""
         if set(self.schedule) != {0} or self.selector.uses_deviation:
             return None
-        return self._keep(0, torch.arange(self.rows.forced.numel()))
+        return self._keep(0, torch.arange(self.rows.forced.numel(), device=self.rows.forced.device))
 
     def _keep(
         self,
@@ -105,7 +103,7 @@ class SelectiveRecompute:
         """Indices into ``active`` of the forced rows and the best of the candidates at ``layer``."""
         forced = self.rows.forced[active]
         candidates = self.rows.reusable[active].nonzero().squeeze(1)
-        budget = min(math.ceil(self.schedule[layer] * self.num_reusable), int(candidates.numel()))
+        budget = min(math.ceil(self.schedule[layer] * self.num_reusable), candidates.numel())
         if budget >= candidates.numel():
             top = candidates  # a budget covering every candidate needs no ranking (ratio 1)
         elif budget == 0:
@@ -136,7 +134,7 @@ class SelectiveRecompute:
         """Row offsets computed in place through the deepest scheduled layer: forced rows, the selected
         ones, and the settled rows (computed by the probe)."""
         if not self.chosen:
-            return torch.arange(self.rows.forced.numel())
+            return torch.arange(self.rows.forced.numel(), device=self.rows.forced.device)
         settled = self.rows.settled.nonzero().squeeze(1).to(self.chosen[max(self.chosen)].device)
         return torch.cat([self.chosen[max(self.chosen)], settled]).sort().values
 
@@ -167,11 +165,16 @@ class QueryProbe:
     rows: RowInfo
     layers: tuple[int, ...]
     scores: Tensor = field(init=False)
+    compares_cached = False  # the runtime need not gather the reused KV of its rows for it
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a query probe needs at least one layer")
-        self.scores = torch.zeros(self.rows.forced.numel(), dtype=torch.float32)
+        forced = self.rows.forced
+        self.scores = torch.zeros(forced.numel(), dtype=torch.float32, device=forced.device)
+        # read once, before the layers: the probe computes the forced rows, among them every question row
+        self._asks = bool(self.rows.query.any())
+        self._others = bool((forced & ~self.rows.query).any())
         self.last = max(self.layers)
         self._asking: Tensor | None = None  # [A] query rows among the rows the next attention computes
         self._first_row = 0
@@ -200,7 +203,7 @@ class QueryProbe:
                 self._record(active, inputs)
             else:
                 asking = self.rows.query[active[keep]]
-                self._asking, self._first_row = (asking if bool(asking.any()) else None), inputs.first_row
+                self._asking, self._first_row = (asking if self._asks else None), inputs.first_row
 
     def attention(
         self,
@@ -221,16 +224,16 @@ class QueryProbe:
             return attention(q, k, v, q_pos, k_pos, scaling, window, causal_prefix, plans=plans)
         out = q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
         others = ~asking
-        if bool(others.any()):
+        if self._others:
             out[others] = attention(q[:, others], k, v, q_pos[others], k_pos, scaling, window)
         out[asking], mass = question_attention(q[:, asking], k, v, q_pos[asking], k_pos, scaling)
         self._add(mass, self._first_row)
         return out
 
     def _record(self, active: Tensor, inputs: LayerInputs) -> None:
-        asking = self.rows.query[active]
-        if not bool(asking.any()):
+        if not self._asks:
             return
+        asking = self.rows.query[active]
         # rotated in fp32 and rounded to the compute dtype, as the layer's own attention sees them
         queries = inputs.rotated_queries()[:, asking].to(inputs.keys.dtype)
         _, mass = question_attention(
@@ -258,10 +261,9 @@ class QueryProbe:
 
     def _add(self, mass: Tensor, first_row: int) -> None:
         own = mass[first_row : first_row + self.scores.numel()]
-        self.scores[: own.numel()] += own.to(self.scores.device, torch.float32)
+        self.scores[: own.numel()] += own.to(torch.float32)
 
 
-@torch.inference_mode()
 def forward_fixed_rows(
     runtime: Runtime,
     cache: KVCache,
@@ -273,51 +275,15 @@ def forward_fixed_rows(
     """Run a fixed set of cache rows through the layers; every other row keeps the KV it holds.
 
     rows: [R] offsets from ``start`` (ascending; the cache's last row last when logits are wanted).
-    Each layer is :meth:`Runtime.forward_rows`' step for its active rows, with its rounding (keys rounded
-    to the KV dtype and rotated from there in float32, queries rotated in float32 and rounded to the compute
-    dtype, rotary tables of every row's position), without the per-layer gathers of reused KV a
-    :class:`~semkv.models.runtime.RecomputeSelector` sees: for a recompute whose rows are known before the
-    forward (:meth:`SelectiveRecompute.preselect`) and for a :class:`QueryProbe` (its forced rows, which it
-    tells about every layer (:meth:`QueryProbe.observe`) and whose attention it computes; it stops after its
-    last layer). Returns the last row's logits [V], or None for a probe.
+    :meth:`Runtime.forward_rows` over just these rows from layer 0 on, without the per-layer gathers of
+    reused KV a deviation selector compares: for a recompute whose rows are known before the forward
+    (:meth:`SelectiveRecompute.preselect`) and for a :class:`QueryProbe` (its forced rows, which it tells
+    about at every layer and whose attention it computes; it stops after its last layer). Returns the last
+    row's logits [V], or None for a probe.
     """
-    a = runtime.adapter
-    positions = cache.positions[start : cache.length]
-    rows = rows.to(runtime.device)
-    cache_rows = rows + start
-    q_pos = positions[rows]
-    # rotary tables of the active rows' positions only (a table of every row costs ~8 ms per blend at 4K)
-    tables = RopeTables(a, q_pos, torch.empty(0, device=runtime.device))
-    ids = torch.tensor(cache.token_ids[start : cache.length], dtype=torch.long, device=runtime.device)
-    hidden = a.embed(ids[rows]).float()
-    everything = torch.arange(rows.numel(), device=runtime.device)
-    last = a.num_layers - 1 if probe is None else min(probe.last, a.num_layers - 1)
-    k_pos = cache.valid_positions()  # one tensor for every layer, so attention plans carry over
-    plans = GemmPlans()
-    for layer in range(last + 1):
-        q, k, v = a.qkv(layer, hidden)
-        cos, sin = tables(layer)
-        runtime.write_fresh(cache, layer, cache_rows, k, v, cos, sin)
-        if probe is not None:
-            inputs = LayerInputs.at(a, cache, layer, q, cos, sin, q_pos, start)
-            probe.observe(layer, rows, everything, inputs)
-            if layer >= probe.last:
-                return None
-            attend = probe.attention
-        if layer == a.num_layers - 1 and rows.numel() > 1:
-            hidden, q, q_pos, cos, sin = hidden[-1:], q[:, -1:], q_pos[-1:], cos[-1:], sin[-1:]
-        out = attend(
-            runtime.rotated_queries(q, cos, sin),
-            cache.keys(layer),
-            cache.values(layer),
-            q_pos,
-            k_pos,
-            a.scaling(layer),
-            a.window(layer),
-            plans=plans,
-        )
-        hidden = a.finish_layer(layer, hidden, out)
-    return a.logits(hidden[-1:])[0]
+    if probe is None:
+        return runtime.forward_rows(cache, start, rows=rows, attend=attend)
+    return runtime.forward_rows(cache, start, probe, rows=rows, stop_after=probe.last)
 
 
 def question_attention(

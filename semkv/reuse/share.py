@@ -191,8 +191,8 @@ def match_signatures(
         return found
     agreement = bit_agreement(new_bits[torch.from_numpy(todo)], ref_bits)
     best, where = agreement.max(dim=1)
-    ok = (best >= min_similarity).numpy()
-    source[todo[ok]] = where.numpy()[ok]
+    ok = (best >= min_similarity).cpu().numpy()  # matching runs on the host
+    source[todo[ok]] = where.cpu().numpy()[ok]
     found[todo[ok]] = True
     return found
 
@@ -217,10 +217,9 @@ def match_tokens(
 def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
     """Rearrange reference KV [L, kvh, m, d] into the new order: [L, kvh, n, d]; rows whose
     source is -1 are zero (they are recomputed or dropped)."""
+    source = source.to(kv.device)
     out = kv.index_select(2, source.clamp_min(0))
-    missing = source < 0
-    if bool(missing.any()):
-        out[:, :, missing] = 0
+    out[:, :, source < 0] = 0
     return out
 
 
@@ -309,7 +308,7 @@ class SharePath:
         ids = torch.tensor(token_ids, dtype=torch.long, device=ctx.runtime.device)
         with torch.inference_mode():
             emb = ctx.runtime.adapter.embed(ids).float().cpu()
-        return hasher.bits(emb, torch.arange(len(token_ids)))
+        return hasher.bits(emb, torch.arange(len(token_ids), device="cpu"))  # hashing runs on the host
 
     def reference_bits(self, ctx: PrefillContext, config: SimHashConfig, entry: KVEntry) -> Tensor:
         """The reference's signature bits: stored ones when hashed with ``config``, else re-hashed."""
@@ -441,10 +440,10 @@ class SharePath:
                     cache,
                     ref.k[:, :, :prefix],
                     ref.v[:, :, :prefix],
-                    torch.arange(prefix),
+                    ctx.runtime.positions(0, prefix),
                     token_ids[:prefix],
                 )
-            rows = torch.arange(prefix, n)
+            rows = torch.arange(prefix, n, device="cpu")  # host offsets, matched on the host
             source = torch.from_numpy(match.source[prefix:])
             if config.unmatched == "drop":
                 keep = source >= 0

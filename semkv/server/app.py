@@ -10,16 +10,26 @@ that goes away (streaming or not) frees its sequence at the next step.
 
 Security lives here, in the request-handling layer (not in the engine's worker):
 
-* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route and ``/metrics`` need
-  ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
+* **Who.** With API keys (:mod:`semkv.server.auth`) every ``/v1`` route, ``/metrics`` and the OpenAPI
+  pages (``/openapi.json``, ``/docs``, ``/redoc``) need ``Authorization: Bearer KEY`` (401 otherwise). The key's tenant and the request's ``cache_salt``
   are its namespace: every store key, the share index and the document registry are scoped by it.
 * **What a response tells.** Stats that describe other requests' data (which path reused what, how
   many tokens an exact prefix or a shared prompt covered, why a path was refused, share references)
   are only returned with ``ServerConfig.debug_stats``; by default a response carries its own
-  token counts and timings only.
-* **Limits.** The request body is limited by the bytes received (chunked bodies included), every
+  token counts and timings only, and how many of its prompt tokens came from the cache
+  (``usage.prompt_tokens_details.cached_tokens``, ``semkv.reused_tokens``): reuse never crosses a
+  namespace, so that count only tells a caller about its own namespace's requests.
+* **Bounded before work.** A request's text is checked against the model's context in characters
+  (:meth:`Engine.max_prompt_chars <semkv.engine.Engine.max_prompt_chars>`) before it is tokenized, and it
+  is tokenized on a worker thread with a private tokenizer copy, without the engine's lock: a huge prompt
+  is a 400 in milliseconds and never stalls the engine thread.
+* **Limits.** The request body is limited by the bytes received (chunked bodies included) and by the
+  time it takes to arrive (a 408; slow headers are the HTTP server's: :mod:`semkv.server.http`), every
   engine option is bounded (:mod:`semkv.server.options`), every request has a deadline (checked
   by the scheduler at every step: a 504, or an SSE error event once streaming), and a 500 never carries internal exception text.
+* **Uploads.** ``POST /v1/documents`` computes one document per engine job (running streams decode
+  between documents), stops when its client leaves or its deadline passes, counts against the tenant's
+  document quota (count and tokens: a 429), and answers once the documents' KV is in every store tier.
 """
 
 from __future__ import annotations
@@ -30,8 +40,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,11 +52,12 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from semkv import __version__ as semkv_version
-from semkv.request import GenerateRequest
+from semkv.host_memory import give_back_freed_memory
+from semkv.request import GenerateRequest, ResolvedRequest
 from semkv.reuse.options import BlendConfig
 from semkv.scheduler import DeadlineExceeded, StepOutput, StepStats
 from semkv.server.auth import ANONYMOUS, APIKeys, Principal
-from semkv.server.documents import Document, DocumentRegistry
+from semkv.server.documents import Document, DocumentRegistry, document_id
 from semkv.server.errors import APIError, SafeJSONResponse, error_body, install_error_handlers, internal_error
 from semkv.server.metrics import ServerMetrics
 from semkv.server.options import RESERVED_OPTIONS, check_engine_options, engine_option_names
@@ -74,13 +85,18 @@ PUBLIC_STATS = frozenset(
         "decode_s",
         "decode_ms_per_token",
         "server_ttft_s",
+        "reused_tokens",  # the request's own prompt tokens served from its namespace's cache (a count)
         "sparse_policy",
         "sparse_steps",
         "kv_budget",
         "sparse_reselect_every",
     }
 )
+API_PAGES = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # need a key like /v1
 PRINCIPAL = "semkv_principal"  # where the middleware leaves the caller in the ASGI scope's state
+# A request body at least this large leaves transient copies (bytes, parsed text, validation) worth
+# returning to the OS once it is answered (:func:`semkv.host_memory.give_back_freed_memory`).
+TRIM_AFTER_BODY_BYTES = 4 * 1024**2
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -104,7 +120,14 @@ class ServerConfig:
         (which path reused how much, share references, refusal reasons). For trusted clients only.
     max_queue: requests waiting or running before a 429.
     request_timeout_s: each request's deadline from its arrival: a request not finished by then ends
-        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step.
+        with a 504 "deadline_exceeded" (an SSE error event once streaming), checked at every step; a
+        document upload is checked before each document and while it waits for the engine.
+    max_documents_per_tenant / max_document_tokens_per_tenant: documents a tenant may have uploaded to
+        this server (its namespaces and what it shared), by count and by tokens; an upload beyond them
+        is a 429 "document_quota_exceeded" (None: no limit).
+    body_timeout_s: a request body not received whole this long after its headers is a 408 (a slow
+        client holds no connection for longer); the headers' own timeout is the HTTP server's
+        (:func:`semkv.server.http.header_timeout_protocol`).
     """
 
     model_name: str | None = None
@@ -118,8 +141,17 @@ class ServerConfig:
     api_keys: APIKeys | None = None
     debug_stats: bool = False
     request_timeout_s: float = 300.0
+    max_documents_per_tenant: int | None = 1024
+    max_document_tokens_per_tenant: int | None = 4_000_000
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("max_documents_per_tenant", "max_document_tokens_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError(f"request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
         if self.max_queue < 1:
@@ -160,11 +192,26 @@ def jsonable(value: Any) -> Any:
 
 @dataclass
 class GenerationResult:
+    """One finished generation as a response reports it.
+
+    prompt_tokens: its prompt's tokens; cached_tokens: those whose KV came from its namespace's cache
+    (the engine's ``reused_tokens``, within [0, prompt_tokens]). stats: every engine stat (what the
+    ``semkv`` field shows of them depends on ``debug_stats``)."""
+
     text: str
     token_ids: list[int]
     stats: dict[str, Any]
     finish_reason: str
     ttft_s: float | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, generation: Any, finish_reason: str, ttft_s: float | None) -> GenerationResult:
+        stats = generation.stats
+        prompt = int(stats.get("prompt_tokens", 0))
+        cached = max(0, min(int(stats.get("reused_tokens", 0) or 0), prompt))
+        return cls(generation.text, list(generation.token_ids), stats, finish_reason, ttft_s, prompt, cached)
 
 
 class ServerState:
@@ -176,14 +223,12 @@ class ServerState:
         self.model_name = config.model_name or str(engine.name)
         self.created = int(time.time())
         self.loop = EngineLoop(engine, config.max_queue, self.observe_step)
-        redis = engine.store.tier("redis")
-        self.redis: RedisTier | None = redis if isinstance(redis, RedisTier) else None
-        folder = config.documents_dir or Path(engine.config.home_path) / "documents"
-        secret = engine.config.store.secret
-        self.documents = DocumentRegistry(
-            folder, self.redis, None if secret is None else secret.encode("utf-8")
-        )
-        self.metrics = ServerMetrics(lambda: self.engine.store, self.failure_counts)
+        self.redis: RedisTier | None = engine.redis_tier()
+        folder = config.documents_dir or Path(engine.home) / "documents"
+        self.documents = DocumentRegistry(folder, self.redis, engine.store_secret)
+        self.documents.load_all()
+        self.uploading: dict[str, tuple[int, int]] = {}  # tenant -> (documents, tokens) being uploaded
+        self.metrics = ServerMetrics(self.engine.store_for_metrics, self.failure_counts)
 
     def failure_counts(self) -> dict[str, int]:
         """Background work that failed without failing a request (for /metrics)."""
@@ -227,13 +272,17 @@ class ServerState:
             chunks.append(found[0].text)
         return chunks + list(ext.chunks)
 
-    def engine_kwargs(
-        self, body: SamplingFields, max_tokens: int | None, principal: Principal, **prompt: Any
-    ) -> dict[str, Any]:
-        """OpenAI fields + ``semkv`` extension -> validated ``Engine.generate`` keyword arguments.
-
-        ``max_new_tokens`` is None when the request left it to the server (filled in on the engine thread).
-        """
+    def engine_request(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max: int,
+        principal: Principal,
+        **prompt: Any,
+    ) -> GenerateRequest:
+        """OpenAI fields + ``semkv`` extension -> the one validated :class:`GenerateRequest` of this
+        generation (a 400 naming what is wrong). A ``max_tokens`` left to the server is ``default_max``,
+        fitted to the context when the request is resolved (:meth:`prepare`)."""
         ext = body.semkv or SemkvExtension()
         options = ext.options
         check_engine_options(options)
@@ -254,20 +303,37 @@ class ServerState:
         kwargs: dict[str, Any] = {
             **prompt,
             "chunks": self.context_chunks(ext, namespace),
-            "max_new_tokens": max_tokens,
+            "max_new_tokens": max_tokens if max_tokens is not None else default_max,
             "temperature": float(temperature),
             "top_p": float(body.top_p if body.top_p is not None else 1.0),
             "seed": seed % 2**63,
+            "stop": body.stop_list,
             **self.config.defaults,
             **options,
             "tenant": namespace.tenant,
             "cache_salt": namespace.salt or None,
         }
         try:
-            GenerateRequest(**{**kwargs, "max_new_tokens": max_tokens or 1})
+            return GenerateRequest(**kwargs)
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"invalid request: {exc}", "semkv", "invalid_value") from exc
-        return kwargs
+
+    def prepare(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        default_max: int,
+        principal: Principal,
+        **prompt: Any,
+    ) -> ResolvedRequest:
+        """The generation's request built (:meth:`engine_request`) and resolved by the engine: its text's
+        length checked, tokenized on a private tokenizer copy, its options resolved. Blocking (documents
+        are read, the prompt tokenized): call it off the event loop. Takes no engine lock."""
+        request = self.engine_request(body, max_tokens, default_max, principal, **prompt)
+        try:
+            return self.engine.resolve(request, fit_context=max_tokens is None)
+        except ValueError as exc:
+            raise map_engine_error(exc) from exc
 
     def stats(self, results: list[GenerationResult]) -> dict[str, Any] | list[dict[str, Any]]:
         """The ``semkv`` field of a response: the engine's stats, all of them only with debug_stats."""
@@ -290,24 +356,12 @@ class ServerState:
             if output.finished:
                 self.metrics.ended.labels(str(output.finish_reason)).inc()
 
-    def request_of(self, kwargs: dict[str, Any], default_max: int, stop: list[str]) -> GenerateRequest:
-        """The engine request; a ``max_new_tokens`` left to the server becomes ``default_max``, capped to
-        what fits in the context (this tokenizes the prompt: call it off the event loop)."""
-        if kwargs["max_new_tokens"] is None:
-            layout = self.engine.layout(GenerateRequest(**{**kwargs, "max_new_tokens": 1}))
-            room = self.engine.max_context - len(layout)
-            kwargs = {**kwargs, "max_new_tokens": max(1, min(default_max, room))}
-        return GenerateRequest(**kwargs, stop=stop)
-
-    async def submit(
-        self, kwargs: dict[str, Any], default_max: int, stop: list[str], request_id: str, started: float
-    ) -> asyncio.Queue[StepOutput]:
-        """Queue one generation on the engine thread; returns the queue of its step outputs. Its deadline
-        counts from ``started`` (the request's arrival): time spent waiting for the engine to tokenize it
-        (e.g. behind a document upload) counts too, so a request already past it ends at the scheduler's
-        next step (a 504) without running."""
+    def submit(self, request: ResolvedRequest, request_id: str, started: float) -> asyncio.Queue[StepOutput]:
+        """Queue one resolved generation on the engine thread; returns the queue of its step outputs. Its
+        deadline counts from ``started`` (the request's arrival): time spent reading and tokenizing it
+        counts too, so a request already past it ends at the scheduler's next step (a 504) without
+        running."""
         try:
-            request = await run_in_threadpool(self.request_of, kwargs, default_max, stop)
             waited = time.perf_counter() - started
             return self.loop.submit(request, request_id, self.config.request_timeout_s, waited)
         except APIError:
@@ -345,10 +399,65 @@ class ServerState:
         ttft = (first if first is not None else time.perf_counter()) - started
         self.metrics.observe_generation(generation.stats, len(generation.token_ids), ttft)
         finish = "length" if output.finish_reason == "length" else "stop"
-        return GenerationResult(generation.text, list(generation.token_ids), generation.stats, finish, ttft)
+        return GenerationResult.of(generation, finish, ttft)
 
-    def add_documents(self, texts: list[str], namespace: Namespace, owner: str) -> list[Document]:
-        counts = self.engine.count_tokens(texts)
+    def check_document_chars(self, texts: list[str]) -> None:
+        """A 400 naming the limit for a document whose text cannot fit in the model's context, known from
+        its length in characters before it is tokenized (:attr:`Engine.max_prompt_chars
+        <semkv.engine.Engine.max_prompt_chars>`)."""
+        limit = self.engine.max_prompt_chars
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                raise APIError(
+                    400,
+                    f"document {i} has {len(text)} characters; at most {limit} fit in the model's context "
+                    f"of {self.engine.max_context} tokens",
+                    "input",
+                    "context_length_exceeded",
+                )
+
+    async def add_documents(
+        self, texts: list[str], namespace: Namespace, owner: str, http: Request, started: float
+    ) -> list[Document]:
+        """Upload documents like a request: each document's KV is computed by its own job on the engine
+        thread (decode steps of running requests go on between documents); before each one and while
+        it waits, a client that left or a deadline (``request_timeout_s`` from ``started``) that passed
+        ends the upload (nothing is registered; what is being computed finishes, nothing more starts).
+        The tenant's quota (documents and tokens) is checked before any KV is computed. Answers once
+        every document's KV is in every tier of the store (a server sharing the Redis tier reuses it
+        from then on), then registers the records."""
+        deadline = started + self.config.request_timeout_s
+        counts = await self.engine_job(lambda: self.engine.count_tokens(texts), http, deadline)
+        self.check_document_sizes(counts)
+        new = [
+            (t, n)
+            for t, n in dict(zip(texts, counts, strict=True)).items()
+            if not self.documents.known(document_id(t), namespace)
+        ]
+        with self.document_quota(owner, len(new), sum(n for _, n in new)):
+            blend = self.server_blend()
+            chunk_ids: list[str] = []
+            for text in texts:  # chunks are precomputed the way the server's default blend looks them up
+                keys = await self.engine_job(
+                    lambda t=text: self.engine.add_chunks([t], blend, namespace), http, deadline
+                )
+                chunk_ids += [str(key) for key in keys]
+            left = max(0.0, deadline - time.perf_counter())
+            if not await run_in_threadpool(self.engine.wait_stored, chunk_ids, left):
+                raise APIError(
+                    504, "the documents' KV was not stored within the deadline", None, "deadline_exceeded"
+                )
+            shared = namespace == Namespace.shared()
+            docs = [
+                DocumentRegistry.new(t, n, [c], shared, owner)
+                for t, n, c in zip(texts, counts, chunk_ids, strict=True)
+            ]
+            await run_in_threadpool(self.register, docs, namespace)
+        self.metrics.document_tokens.inc(sum(counts))
+        self.metrics.documents.inc(len(docs))
+        return docs
+
+    def check_document_sizes(self, counts: list[int]) -> None:
         for i, n in enumerate(counts):
             if n == 0:
                 raise APIError(400, f"document {i} is empty after tokenization", "input", "invalid_value")
@@ -359,26 +468,74 @@ class ServerState:
                     "input",
                     "context_length_exceeded",
                 )
-        # Chunks are precomputed the way the server's default blend settings will look them up.
-        chunk_ids = [str(key) for key in self.engine.add_chunks(texts, self.server_blend(), namespace)]
-        self.metrics.document_tokens.inc(sum(counts))
-        shared = namespace == Namespace.shared()
-        docs = [
-            DocumentRegistry.new(t, n, [c], shared, owner)
-            for t, n, c in zip(texts, counts, chunk_ids, strict=True)
-        ]
+
+    def register(self, docs: list[Document], namespace: Namespace) -> None:
         for doc in docs:
             self.documents.put(doc, namespace)
-        self.metrics.documents.inc(len(docs))
-        return docs
+
+    @contextmanager
+    def document_quota(self, owner: str, documents: int, tokens: int) -> Iterator[None]:
+        """Hold ``documents`` / ``tokens`` of ``owner``'s quota while its upload runs; a 429 if they do not
+        fit beside what it has and what its other uploads hold. Called on the event loop (no race)."""
+        have, have_tokens = self.documents.usage(owner)
+        held, held_tokens = self.uploading.get(owner, (0, 0))
+        limits = (
+            (self.config.max_documents_per_tenant, have + held + documents, "documents"),
+            (
+                self.config.max_document_tokens_per_tenant,
+                have_tokens + held_tokens + tokens,
+                "document tokens",
+            ),
+        )
+        for limit, total, what in limits:
+            if limit is not None and total > limit:
+                raise APIError(
+                    429,
+                    f"this upload would bring the tenant to {total} {what}; its quota is {limit} (delete "
+                    "documents to make room)",
+                    "input",
+                    "document_quota_exceeded",
+                )
+        self.uploading[owner] = (held + documents, held_tokens + tokens)
+        try:
+            yield
+        finally:
+            held, held_tokens = self.uploading.pop(owner, (0, 0))
+            if held - documents > 0 or held_tokens - tokens > 0:
+                self.uploading[owner] = (held - documents, held_tokens - tokens)
+
+    async def engine_job(self, job: Callable[[], Any], http: Request, deadline: float) -> Any:
+        """``job`` on the engine thread between steps; a client that leaves (:class:`ClientGone`) or a
+        deadline that passes (504) while it waits cancels it if it has not started (one that has
+        finishes on its own)."""
+        if time.perf_counter() >= deadline:
+            raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        if await http.is_disconnected():
+            raise ClientGone()
+        future = asyncio.wrap_future(self.loop.run_job(job))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await http.is_disconnected():
+                future.cancel()
+                raise ClientGone()
+            if time.perf_counter() >= deadline:
+                future.cancel()
+                raise APIError(504, "the upload passed its deadline", None, "deadline_exceeded")
+        try:
+            return future.result()
+        except APIError:
+            raise
+        except Exception as exc:
+            raise map_engine_error(exc) from exc
 
     def delete_document(self, doc_id: str, namespace: Namespace) -> Document | None:
         """Remove a document's record and its chunk KV from every tier (on the engine thread, so no
         request holds the chunk meanwhile)."""
         doc = self.documents.delete(doc_id, namespace)
         if doc is not None:
-            for key in doc.chunk_ids:
-                self.engine.store.delete(key)
+            self.engine.delete_stored(list(doc.chunk_ids))
         return doc
 
 
@@ -425,8 +582,11 @@ class GuardMiddleware:
       valid key; 403 on ``/metrics`` for a key without the ``metrics`` permission) and leaves the
       caller in the scope's state;
     * reads the whole request body and refuses it with a 413 as soon as more bytes arrived than
-      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none); the app
-      then receives the body it read.
+      the limit allows, whatever ``Content-Length`` said (or with chunked transfer, none), or with a 408
+      when it has not arrived whole within ``body_timeout_s``; the app then receives the body it read;
+    * after a request whose body had :data:`TRIM_AFTER_BODY_BYTES` or more, gives the memory its copies
+      used back to the OS (on a worker thread), so a burst of huge bodies leaves the resident set where
+      it was.
     """
 
     def __init__(self, app: Any, state: ServerState) -> None:
@@ -448,15 +608,19 @@ class GuardMiddleware:
                 status = int(message["status"])
             await send(message)
 
+        received = 0
         try:
             refusal = self._authenticate(scope, path)
             if refusal is None:
-                refusal, receive = await self._read_body(scope, receive)
+                refusal, receive, received = await self._read_body(scope, receive)
             if refusal is not None:
                 await refusal(scope, receive, send_counted)
                 return
             await self.app(scope, receive, send_counted)
         finally:
+            if received >= TRIM_AFTER_BODY_BYTES:
+                del receive  # the replayed body
+                await run_in_threadpool(give_back_freed_memory)
             metrics = self.state.metrics
             metrics.requests.labels(endpoint, str(status)).inc()
             metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
@@ -464,7 +628,7 @@ class GuardMiddleware:
     def _authenticate(self, scope: dict, path: str) -> Response | None:
         """Leave the caller in ``scope["state"]``; a 401 / 403 response when it may not go on."""
         keys = self.state.config.api_keys
-        guarded = path.startswith("/v1/") or path == "/v1" or path == "/metrics"
+        guarded = path.startswith("/v1/") or path in ("/v1", "/metrics", *API_PAGES)
         principal: Principal | None = ANONYMOUS
         if keys is not None and guarded:
             headers = dict(scope.get("headers") or [])
@@ -489,28 +653,34 @@ class GuardMiddleware:
         scope.setdefault("state", {})[PRINCIPAL] = principal
         return None
 
-    async def _read_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable]:
-        """(413 response or None, a receive that replays the body read)."""
+    async def _read_body(self, scope: dict, receive: Callable) -> tuple[Response | None, Callable, int]:
+        """(413 response or None, a receive that replays the body read, the bytes read)."""
         limit = self.state.config.max_body_bytes
         too_large = SafeJSONResponse(
             error_body(413, f"request body over {limit} bytes", None, "too_large"), status_code=413
         )
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return too_large, receive
+            return too_large, receive, 0
         parts: list[bytes] = []
         size = 0
+        deadline = time.perf_counter() + self.state.config.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.perf_counter()))
+            except TimeoutError:
+                timeout = self.state.config.body_timeout_s
+                body = error_body(408, f"request body not received within {timeout:g} s", None, "timeout")
+                return SafeJSONResponse(body, status_code=408, headers={"Connection": "close"}), receive, size
             if message["type"] != "http.request":  # the client went away: let the app see it
-                return None, _replay(b"".join(parts), receive, first=message)
+                return None, _replay(b"".join(parts), receive, first=message), size
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return too_large, receive
+                return too_large, receive, size
             parts.append(chunk)
             if not message.get("more_body", False):
-                return None, _replay(b"".join(parts), receive)
+                return None, _replay(b"".join(parts), receive), size
 
 
 def _replay(body: bytes, receive: Callable, first: dict | None = None) -> Callable:
@@ -578,22 +748,28 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/documents")
     async def add_documents(body: DocumentRequest, request: Request) -> dict[str, Any]:
+        started = time.perf_counter()
         principal = state.principal(request)
         if body.shared and not principal.can_publish:
             raise APIError(
                 403, "this API key may not publish shared documents", "shared", "permission_denied"
             )
         namespace = Namespace.shared() if body.shared else state.namespace(principal, body.cache_salt)
-        docs = await _run(state, lambda: state.add_documents(body.texts, namespace, principal.tenant))
+        state.check_document_chars(body.texts)
+        docs = await state.add_documents(body.texts, namespace, principal.tenant, request, started)
         return {"object": "list", "data": [d.summary() for d in docs]}
 
     @app.get("/v1/documents")
-    def list_documents(request: Request, cache_salt: str | None = None) -> dict[str, Any]:
-        # sync: reads disk / Redis off the event loop
+    def list_documents(
+        request: Request, cache_salt: str | None = None, limit: str = "20", after: str | None = None
+    ) -> dict[str, Any]:
+        """The caller's documents, then the shared ones, oldest first, a page of ``limit`` (1..100) after
+        the document ``after`` (OpenAI's list shape: ``first_id``, ``last_id``, ``has_more``).
+        Sync: reads disk / Redis off the event loop."""
         namespace = state.namespace(state.principal(request), _salt(cache_salt))
         mine = state.documents.list(namespace)
         shared = [] if namespace == Namespace.shared() else state.documents.list(Namespace.shared())
-        return {"object": "list", "data": [d.summary() for d in mine + shared]}
+        return _page([d.summary() for d in mine + shared], _limit(limit), after)
 
     @app.get("/v1/documents/{doc_id}")
     def get_document(doc_id: str, request: Request, cache_salt: str | None = None) -> dict[str, Any]:
@@ -627,11 +803,11 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         prompts = body.prompts
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming supports a single prompt", "prompt", "invalid_value")
+        default = state.config.completion_max_tokens
         calls = [
-            await run_in_threadpool(state.engine_kwargs, body, body.max_tokens, principal, prompt=p)
+            await run_in_threadpool(state.prepare, body, body.max_tokens, default, principal, prompt=p)
             for p in prompts
         ]
-        default = state.config.completion_max_tokens
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
         if body.stream:
@@ -640,13 +816,13 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
                 return {**base, "choices": [choice], **extra}
 
-            return await _stream(state, body, calls[0], default, started, request, rid, chunk, None)
+            return await _stream(state, body, calls[0], started, request, rid, chunk, None)
 
         ids = [f"{rid}-{i}" for i in range(len(calls))]
         queues = []
         try:
-            for kw, request_id in zip(calls, ids, strict=True):  # all queued at once: they decode together
-                queues.append(await state.submit(kw, default, body.stop_list, request_id, started))
+            for call, request_id in zip(calls, ids, strict=True):  # all queued at once: they decode together
+                queues.append(state.submit(call, request_id, started))
             results = [await state.collect(i, q, started, request) for i, q in zip(ids, queues, strict=True)]
         finally:
             for request_id in ids:  # a failed or abandoned request frees the others (no-op once finished)
@@ -663,10 +839,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
         state.check_model(body.model)
         messages = [m.as_engine_message() for m in body.messages]
         principal = state.principal(request)
-        kwargs = await run_in_threadpool(
-            state.engine_kwargs, body, body.token_limit, principal, messages=messages
-        )
         default = state.config.chat_max_tokens
+        call = await run_in_threadpool(
+            state.prepare, body, body.token_limit, default, principal, messages=messages
+        )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
         if body.stream:
@@ -681,9 +857,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> FastAPI:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 ],
             }
-            return await _stream(state, body, kwargs, default, started, request, rid, chunk, opening)
+            return await _stream(state, body, call, started, request, rid, chunk, opening)
 
-        queue = await state.submit(kwargs, default, body.stop_list, rid, started)
+        queue = state.submit(call, rid, started)
         result = await state.collect(rid, queue, started, request)
         message = {"role": "assistant", "content": result.text}
         return {
@@ -709,10 +885,47 @@ async def _run(state: ServerState, job: Callable[[], Any]) -> Any:
         raise map_engine_error(exc) from exc
 
 
-def _usage(results: list[GenerationResult]) -> dict[str, int]:
-    prompt = sum(int(r.stats.get("prompt_tokens", 0)) for r in results)
+def _usage(results: list[GenerationResult]) -> dict[str, Any]:
+    """OpenAI's ``usage``: token counts, and ``prompt_tokens_details.cached_tokens``: the prompt tokens
+    whose KV came from the request's own namespace's cache (prefix blocks, stored chunks, a shared
+    prompt) instead of a full computation."""
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
     completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+MAX_PAGE = 100
+
+
+def _limit(value: str) -> int:
+    """A list's ``limit`` query parameter: an integer in 1..MAX_PAGE (a 400 otherwise)."""
+    if not value.isdigit() or not 1 <= int(value) <= MAX_PAGE:
+        raise APIError(400, f"limit must be an integer in 1..{MAX_PAGE}, got {value[:20]!r}", "limit")
+    return int(value)
+
+
+def _page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
+    """OpenAI's list page: ``limit`` items after the one whose id is ``after`` (a 400 if none is)."""
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no document {after[:60]!r} in this list", "after", "invalid_value")
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    }
 
 
 def _salt(value: str | None) -> str | None:
@@ -730,8 +943,7 @@ def public_stats(stats: dict[str, Any]) -> dict[str, Any]:
 async def _stream(
     state: ServerState,
     body: SamplingFields,
-    kwargs: dict[str, Any],
-    default_max: int,
+    call: ResolvedRequest,
     started: float,
     request: Request,
     request_id: str,
@@ -740,7 +952,7 @@ async def _stream(
 ) -> Any:
     """Start the generation; answer a JSON error if it fails before its first output, else an SSE stream
     of its text as the engine's steps produce it. A client that goes away aborts the generation."""
-    queue = await state.submit(kwargs, default_max, body.stop_list, request_id, started)
+    queue = state.submit(call, request_id, started)
     try:
         first = await next_output(queue, request)
     except (asyncio.CancelledError, ClientGone):

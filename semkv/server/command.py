@@ -148,6 +148,33 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
         "--max-body-mb", type=float, default=32.0, help="largest request body accepted, MiB (default 32)"
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection that has not sent its request headers this long after it opened (or after its "
+        "last response) is closed (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not received whole this long after its headers is a 408 (default 60)",
+    )
+    p.add_argument(
+        "--max-documents-per-tenant",
+        type=int,
+        default=1024,
+        help="documents one tenant may have uploaded (0: no limit; default 1024); beyond: 429",
+    )
+    p.add_argument(
+        "--max-document-tokens-per-tenant",
+        type=int,
+        default=4_000_000,
+        help="document tokens one tenant may have uploaded (0: no limit; default 4,000,000); beyond: 429",
+    )
+    p.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.set_defaults(func=run)
@@ -175,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
     from semkv.server.app import ServerConfig, create_app
     from semkv.server.auth import APIKeys
+    from semkv.server.http import header_timeout_protocol
 
     config = ServerConfig(
         model_name=args.served_model_name,
@@ -184,7 +212,11 @@ def run(args: argparse.Namespace) -> int:
         debug_stats=args.debug_stats,
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024**2),
+        body_timeout_s=args.body_timeout,
+        max_documents_per_tenant=args.max_documents_per_tenant or None,
+        max_document_tokens_per_tenant=args.max_document_tokens_per_tenant or None,
     )
+    http = header_timeout_protocol(args.header_timeout)
     scheduler = SchedulerConfig(
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
@@ -215,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             log.warning("the warm-up request failed, serving without it: %s", exc)
     log.warning("semkv serving %s on http://%s:%d", app.state.semkv.model_name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=http)
     finally:
         engine.close()
     return 0

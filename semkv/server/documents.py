@@ -118,6 +118,7 @@ class DocumentRegistry:
         self.secret = secret
         self.write_errors = 0
         self._docs: dict[tuple[str, str], Document] = {}
+        self._usage: dict[tuple[str, str], tuple[str, int]] = {}  # (folder, id) -> (owner, tokens)
         self._lock = threading.Lock()
         if self.folder is not None:
             private_mkdir(self.folder)
@@ -169,6 +170,7 @@ class DocumentRegistry:
     def put(self, doc: Document, namespace: Namespace) -> None:
         with self._lock:
             self._docs[(self._scope(namespace), doc.id)] = doc
+            self._usage[(namespace.folder_name, doc.id)] = (doc.owner, doc.tokens)
         data = self._encode(doc, namespace)
         if self.folder is not None:
             folder = self._dir(namespace)
@@ -218,6 +220,7 @@ class DocumentRegistry:
             return None
         with self._lock:
             self._docs.pop((self._scope(namespace), doc_id), None)
+            self._usage.pop((namespace.folder_name, doc_id), None)
         if self.folder is not None:
             try:
                 self._path(namespace, doc_id).unlink(missing_ok=True)
@@ -259,6 +262,34 @@ class DocumentRegistry:
         with self._lock:
             mine = [d for (s, _), d in self._docs.items() if s == scope]
         return sorted(mine, key=lambda d: (d.created, d.id))
+
+    def load_all(self) -> None:
+        """Count the records of the disk folder (every namespace) in :meth:`usage`, so a tenant's quota
+        includes what earlier runs of this server stored (records only in Redis are other servers')."""
+        if self.folder is None or not self.folder.is_dir():
+            return
+        for path in [*self.folder.glob("doc-*.json"), *self.folder.glob("ns-*/doc-*.json")]:
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                owner, tokens = str(raw["owner"]), int(raw["tokens"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable document record %s: %s", path.name, exc)
+                continue
+            folder = "" if path.parent == self.folder else path.parent.name
+            with self._lock:
+                self._usage.setdefault((folder, path.stem), (owner, tokens))
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(documents, tokens) the tenant ``owner`` has uploaded (in its namespaces and shared) that this
+        server registered or found in its folder at start (:meth:`load_all`)."""
+        with self._lock:
+            mine = [tokens for who, tokens in self._usage.values() if who == owner]
+        return len(mine), sum(mine)
+
+    def known(self, doc_id: str, namespace: Namespace) -> bool:
+        """Whether ``doc_id`` of ``namespace`` counts in its owner's :meth:`usage` already."""
+        with self._lock:
+            return (namespace.folder_name, doc_id) in self._usage
 
     def __len__(self) -> int:
         with self._lock:

@@ -34,6 +34,7 @@ RESERVED_OPTIONS = {
     "seed": "seed",
     "tenant": "the API key (Authorization: Bearer ...)",
     "cache_salt": "cache_salt (a top-level field)",
+    "stop": "stop (a top-level field)",
 }
 SERVER_ONLY = {
     ("blend", "sink"): "the server's --default blend=... (documents are precomputed with it)",

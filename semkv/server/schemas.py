@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import numpy
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from semkv.request import MAX_NEW_TOKENS_LIMIT
+from semkv.request import MAX_NEW_TOKENS_LIMIT, MAX_STOP_CHARS
+from semkv.sequence import MIN_TEMPERATURE
 
 MAX_CONTEXT_ITEMS = 64
 MAX_STOP = 4
@@ -43,6 +45,7 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1), AfterValidator(_unicode)]
+StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 
 
 class _Strict(BaseModel):
@@ -76,7 +79,9 @@ class SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: StopStr | list[StopStr] | None = Field(
+        None, description=f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each"
+    )
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="not supported (0 only)")
@@ -86,6 +91,23 @@ class SamplingFields(_Strict):
         None, max_length=MAX_SALT_CHARS, description="vLLM's per-request cache salt"
     )
     semkv: SemkvExtension | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_scale(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.4g} (float32's smallest "
+                "normal number; below it the logits cannot be scaled)"
+            )
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_representable(cls, value: float | None) -> float | None:
+        if value is not None and float(numpy.float32(value)) == 0.0:
+            raise ValueError("top_p is 0 in float32 (the sampler's precision); it must be > 1.4e-45")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -177,7 +177,7 @@ class SparseDecoder:
         view = StepView(
             cache,
             index,
-            torch.arange(sink, win_block),
+            torch.arange(sink, win_block, device=cache.device),
             0,
             -1,
             prefill=self.prefill,
@@ -237,9 +237,11 @@ class SparseDecoder:
             start = time.perf_counter()
             region_rows = torch.cat(
                 [
-                    self.tier.block_rows(torch.tensor(self.tier.block_in[group]).clamp(min=0)),
-                    torch.arange(state["sink_rows"]),
-                    torch.arange(state["win_row"], cache.length),
+                    self.tier.block_rows(
+                        torch.tensor(self.tier.block_in[group], device=cache.device).clamp(min=0)
+                    ),
+                    torch.arange(state["sink_rows"], device=cache.device),
+                    torch.arange(state["win_row"], cache.length, device=cache.device),
                 ]
             )
             used = region_rows.numel()  # the tier's rows past these are unused hot rows
@@ -336,7 +338,7 @@ class SparseDecoder:
         self.index.add_blocks((cache.length - 1) // self.block_size)
         summarise_s = time.perf_counter() - start
         sink, win_block, win_row = self._geometry(cache.length)
-        candidates = torch.arange(sink, win_block)
+        candidates = torch.arange(sink, win_block, device=cache.device)
         budget = self.config.budget.blocks(cache.length, self.block_size)
         record = StepRecord(self._step, cache.length, summarise_s=summarise_s)
         self.records.append(record)

@@ -41,7 +41,9 @@ class H2OPolicy(SparsePolicy):
             positions = view.prefill.positions[layer]  # [n]
             q = q.reshape(kvh, -1, q.shape[1], d)  # [kvh, g, n, d]
             logits = q @ keys.transpose(1, 2).unsqueeze(1) / math.sqrt(d)  # [kvh, g, n, T]
-            visible = torch.arange(keys.shape[1]).unsqueeze(0) <= positions.unsqueeze(1)  # [n, T]
+            visible = torch.arange(keys.shape[1], device=keys.device).unsqueeze(0) <= positions.unsqueeze(
+                1
+            )  # [n, T]
             probs = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
             mass = probs.sum(dim=2).mean(dim=(0, 1))  # [T] summed over queries, mean over heads
             self._acc.append(mass.reshape(nb, bs).sum(-1))
@@ -49,7 +51,7 @@ class H2OPolicy(SparsePolicy):
     def score(self, view: StepView) -> Tensor:
         assert view.layer is not None
         acc = self._acc[view.layer]
-        out = torch.zeros(view.candidates.numel())
+        out = torch.zeros(view.candidates.numel(), device=acc.device)
         known = view.candidates < acc.numel()
         out[known] = acc[view.candidates[known]]
         return out

@@ -27,7 +27,7 @@ through the cache's query observer while the prompt is prefilled.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +84,7 @@ class BlockIndex:
         size = max(blocks, c.capacity // self.block_size + 1, 2 * have)
         for kind in SUMMARY_KINDS:
             shape = (c.num_layers, c.num_kv_heads, size) + (() if kind == "sq" else (c.head_dim,))
-            buffer = torch.zeros(shape)
+            buffer = torch.zeros(shape, device=c.device)
             if have:
                 buffer[:, :, :have] = self._summaries[kind]
             self._summaries[kind] = buffer
@@ -119,7 +119,7 @@ class BlockIndex:
         first, last = start // CHUNK_BLOCKS, (end - 1) // CHUNK_BLOCKS + 1
         size = self._summaries["rmean"].shape[2] // CHUNK_BLOCKS + 1
         if self._chunks is None or self._chunks.shape[2] < size:
-            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim)
+            grown = torch.zeros(c.num_layers, c.num_kv_heads, size, c.head_dim, device=c.device)
             if self._chunks is not None:
                 grown[:, :, : self._chunks.shape[2]] = self._chunks
             self._chunks = grown
@@ -136,18 +136,36 @@ class BlockIndex:
     def insert(self, summaries: Mapping[str, Tensor]) -> None:
         """Append the next block's summaries as a stored block carries them ({kind: [L, kvh, d]}, sq
         [L, kvh]); a ValueError if a kind is missing or misshapen (the caller then summarises the rows)."""
+        self.insert_many([summaries])
+
+    def insert_many(self, blocks: Sequence[Mapping[str, Tensor]]) -> int:
+        """Append the next blocks' summaries (each as :meth:`insert` takes them) in one write per kind;
+        the valid leading ones are inserted and a ValueError names the first invalid one. Returns the
+        number inserted."""
         c = self.cache
-        for kind in SUMMARY_KINDS:
-            want = (c.num_layers, c.num_kv_heads) + (() if kind == "sq" else (c.head_dim,))
-            got = summaries.get(kind)
-            if got is None or tuple(got.shape) != want:
-                raise ValueError(f"stored block summary {kind!r} is missing or not of shape {want}")
-        block = self.num_complete
-        self._reserve(block + 1)
-        for kind in SUMMARY_KINDS:
-            self._summaries[kind][:, :, block] = summaries[kind].float()
-        self.num_complete = block + 1
-        self._update_chunks(block, block + 1)
+        valid = 0
+        problem = None
+        for summaries in blocks:
+            for kind in SUMMARY_KINDS:
+                want = (c.num_layers, c.num_kv_heads) + (() if kind == "sq" else (c.head_dim,))
+                got = summaries.get(kind)
+                if got is None or tuple(got.shape) != want:
+                    problem = f"stored block summary {kind!r} is missing or not of shape {want}"
+                    break
+            if problem is not None:
+                break
+            valid += 1
+        if valid:
+            start = self.num_complete
+            self._reserve(start + valid)
+            for kind in SUMMARY_KINDS:
+                stacked = torch.stack([blocks[i][kind] for i in range(valid)], dim=2)  # blocks on dim 2
+                self._summaries[kind][:, :, start : start + valid] = stacked.to(self._summaries[kind].device)
+            self.num_complete = start + valid
+            self._update_chunks(start, start + valid)
+        if problem is not None:
+            raise ValueError(problem)
+        return valid
 
     def block_summaries(self, block: int) -> dict[str, Tensor]:
         """The summaries of one complete block, in the KV dtype, as the store keeps them with the block."""
@@ -178,7 +196,7 @@ class BlockIndex:
         count = -(-self.num_complete // CHUNK_BLOCKS)
         if self._chunks is None:
             c = self.cache
-            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim)
+            return torch.zeros(c.num_layers, c.num_kv_heads, 0, c.head_dim, device=c.device)
         return self._chunks[:, :, :count]
 
     def key_means(self) -> Tensor:
@@ -224,11 +242,12 @@ class PrefillQueries:
         return max(int(p[-1]) for p in self.positions.values())
 
 
-def captured_offsets(total: int, window: int, stride: int) -> Tensor:
-    """Offsets (ascending) into ``total`` computed rows: every ``stride``-th from the end + the last ``window``."""
-    ends = torch.arange(total - 1, -1, -stride) if stride > 0 else torch.empty(0, dtype=torch.long)
-    last = torch.arange(max(0, total - window), total)
-    return torch.unique(torch.cat([ends, last]))  # sorted
+def captured_offsets(total: int, window: int, stride: int, device: torch.device | str = "cpu") -> Tensor:
+    """Offsets [n] (ascending, on ``device``) into ``total`` computed rows: every ``stride``-th from the end
+    + the last ``window``. Worked out on the host from the three counts (no device round trip)."""
+    ends = set(range(total - 1, -1, -stride)) if stride > 0 else set()
+    last = set(range(max(0, total - window), total))
+    return torch.tensor(sorted(ends | last), dtype=torch.long, device=device)
 
 
 @contextlib.contextmanager
@@ -243,7 +262,7 @@ def capture_prefill_queries(cache: KVCache, window: int = 32, stride: int = 64) 
     result = PrefillQueries(window=window)
 
     def record(layer: int, q_rot: Tensor, positions: Tensor) -> None:
-        offsets = captured_offsets(positions.shape[0], window, stride)
+        offsets = captured_offsets(positions.shape[0], window, stride, positions.device)
         result.q[layer] = q_rot[:, offsets].float()  # a copy, in float32 whatever the compute dtype
         result.positions[layer] = positions[offsets].clone()
 

@@ -63,9 +63,9 @@ class StabilityFilter:
         high = (affinity > self.threshold).float()
         nb = high.numel()
         if self._history is None:
-            self._history = torch.zeros(self.window, nb)
+            self._history = torch.zeros(self.window, nb, device=affinity.device)
         elif self._history.shape[1] < nb:
-            grown = torch.zeros(self.window, nb)
+            grown = torch.zeros(self.window, nb, device=affinity.device)
             grown[:, : self._history.shape[1]] = self._history
             self._history = grown
         self._history[self._steps % self.window, :nb] = high
@@ -76,8 +76,8 @@ class StabilityFilter:
 
     def scores(self) -> Tensor:
         """Stability [blocks seen] (computed once per update)."""
-        if self._history is None:
-            return torch.zeros(0)
+        if self._history is None:  # no step seen: no block, and no device to follow yet
+            return torch.zeros(0, device="cpu")
         if self._scores is None:
             self._scores = self._history.sum(0) / min(self._steps, self.window)
         return self._scores
@@ -97,7 +97,9 @@ def group_mean(vectors: Tensor, group: int) -> Tensor:
     n = vectors.shape[-2]
     ids = torch.arange(n, device=vectors.device) // group
     count = int(ids[-1]) + 1 if n else 0
-    sums = torch.zeros(*vectors.shape[:-2], count, vectors.shape[-1], dtype=vectors.dtype)
+    sums = torch.zeros(
+        *vectors.shape[:-2], count, vectors.shape[-1], dtype=vectors.dtype, device=vectors.device
+    )
     sums.index_add_(vectors.dim() - 2, ids, vectors)
     sizes = torch.bincount(ids, minlength=count).clamp(min=1).to(vectors.dtype)
     return sums / sizes.unsqueeze(-1)
@@ -129,10 +131,10 @@ def masked_page_scores(
     num_c, num_g = level_sizes(num_pages, pages_per_chunk, chunks_per_grid)
     grid_aff, chunk_aff, page_aff = affinity.split([num_g, num_c, num_pages], dim=-1)
     grid_keep = _top_mask(grid_aff, keep_grids)
-    chunk_parent = torch.arange(num_c) // chunks_per_grid
+    chunk_parent = torch.arange(num_c, device=affinity.device) // chunks_per_grid
     chunk_aff = chunk_aff.masked_fill(~grid_keep[..., chunk_parent], -math.inf)
     chunk_keep = _top_mask(chunk_aff, keep_chunks)
-    page_parent = torch.arange(num_pages) // pages_per_chunk
+    page_parent = torch.arange(num_pages, device=affinity.device) // pages_per_chunk
     page_aff = page_aff.masked_fill(~chunk_keep[..., page_parent], -math.inf)
     return page_aff, chunk_keep, grid_keep
 
@@ -305,7 +307,7 @@ class KeyKeyPolicy(SparsePolicy):
         raw = scores[..., -num_pages:]
         if self.stability is not None:
             flat = raw if raw.dim() == 1 else raw.mean(dim=0)
-            full = torch.zeros(view.index.num_complete)
+            full = torch.zeros(view.index.num_complete, device=flat.device)
             full[view.candidate_span()] = flat
             self.stability.update(full)
         self._step_cache = (view.step, masked, raw)

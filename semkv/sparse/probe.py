@@ -155,8 +155,10 @@ def window_block_scores(q: Tensor, keys: Tensor, block_size: int, num_blocks: in
     last n tokens), keys [kvh, T, d] (rows in position order, T >= num_blocks * block_size; the queries
     are the last n of them) -> [num_blocks], heads aggregated, mean over the queries. Computed in float32."""
     total, n = keys.shape[1], q.shape[1]
-    rows = torch.arange(total)
-    visible = rows.unsqueeze(0) <= (total - n + torch.arange(n)).unsqueeze(1)  # causal: [n, T]
+    rows = torch.arange(total, device=keys.device)
+    visible = rows.unsqueeze(0) <= (total - n + torch.arange(n, device=keys.device)).unsqueeze(
+        1
+    )  # causal: [n, T]
     mass = head_block_mass(q, keys, block_size, num_blocks, visible)  # [nh, n, B]
     return aggregate_heads(mass.transpose(0, 1), head_agg).mean(dim=0)  # [n, nh, B] -> [n, B] -> [B]
 
@@ -351,9 +353,13 @@ class ProbePolicy(SparsePolicy):
         chunk_scores = mean_key_scores(q, chunks, self.head_agg).mean(dim=0)
         keep = min(chunk_scores.numel(), math.ceil(self.chunk_keep * view.budget / CHUNK_BLOCKS))
         kept = torch.topk(chunk_scores, keep).indices + first
-        blocks = (kept.unsqueeze(1) * CHUNK_BLOCKS + torch.arange(CHUNK_BLOCKS)).reshape(-1)
+        blocks = (kept.unsqueeze(1) * CHUNK_BLOCKS + torch.arange(CHUNK_BLOCKS, device=kept.device)).reshape(
+            -1
+        )
         blocks = blocks[(blocks >= span.start) & (blocks < span.stop)]
-        out = torch.full((span.stop - span.start,), -1.0)  # below any probed block, still selectable
+        out = torch.full(
+            (span.stop - span.start,), -1.0, device=q.device
+        )  # below any probed block, still selectable
         out[blocks - span.start] = mean_key_scores(q, pages[:, :, blocks], self.head_agg).mean(dim=0)
         return out
 
@@ -442,7 +448,7 @@ class ProbePolicy(SparsePolicy):
     def resident_hint(self) -> Tensor | None:
         if not self._last_selected or self._num_blocks == 0:
             return None
-        hint = torch.full((self._num_blocks,), -1.0)
+        hint = torch.full((self._num_blocks,), -1.0, device=self._last_selected[0].device)
         for age, selected in enumerate(reversed(self._last_selected)):
             hint[selected[selected < self._num_blocks]] = float(age + 1)
         return hint

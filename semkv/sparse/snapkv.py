@@ -45,7 +45,7 @@ class SnapKVPolicy(SparsePolicy):
     def score(self, view: StepView) -> Tensor:
         assert view.layer is not None
         mass = self._mass[view.layer]
-        out = torch.zeros(view.candidates.numel())
+        out = torch.zeros(view.candidates.numel(), device=mass.device)
         known = view.candidates < mass.numel()
         out[known] = mass[view.candidates[known]]
         return out

@@ -59,13 +59,16 @@ class FastTier:
         self.group_of = {layer: i for i, g in enumerate(self.layer_groups) for layer in g}
         self.groups = len(self.layer_groups)
         shape = (cache.num_layers, cache.num_kv_heads, self.slot_rows + hot_rows, cache.head_dim)
-        self.k = torch.zeros(shape, dtype=cache.compute_dtype)
-        self.v = torch.zeros(shape, dtype=cache.compute_dtype)
-        self.positions = torch.full((self.groups, self.slot_rows + hot_rows), HIDDEN, dtype=torch.long)
+        device = cache.device
+        self.k = torch.zeros(shape, dtype=cache.compute_dtype, device=device)
+        self.v = torch.zeros(shape, dtype=cache.compute_dtype, device=device)
+        self.positions = torch.full(
+            (self.groups, self.slot_rows + hot_rows), HIDDEN, dtype=torch.long, device=device
+        )
         self.block_in: list[list[int]] = [[-1] * slots for _ in self.layer_groups]  # per slot, -1: free
         self.slot_of: list[dict[int, int]] = [{} for _ in self.layer_groups]
-        self._offsets = torch.arange(block_size)
-        elem = torch.empty((), dtype=cache.kv_dtype).element_size()
+        self._offsets = torch.arange(block_size, device=device)
+        elem = cache.kv_dtype.itemsize
         self.layer_block_bytes = 2 * cache.num_kv_heads * block_size * cache.head_dim * elem
         self.sink_rows = 0
         self.used_hot = 0
@@ -113,8 +116,8 @@ class FastTier:
             block_in[slot] = block
         copies = 0
         if missing:
-            src = self.block_rows(torch.tensor(missing, dtype=torch.long))
-            dst = self.block_rows(torch.tensor(free, dtype=torch.long))
+            src = self.block_rows(torch.tensor(missing, dtype=torch.long, device=self.k.device))
+            dst = self.block_rows(torch.tensor(free, dtype=torch.long, device=self.k.device))
             for layer in self.layer_groups[group]:
                 self.k[layer].index_copy_(1, dst, cache.k_rot[layer].index_select(1, src))
                 self.v[layer].index_copy_(1, dst, cache.v[layer].index_select(1, src))
@@ -128,8 +131,9 @@ class FastTier:
         visible = self.positions[group, : self.slot_rows]
         visible.fill_(HIDDEN)
         if selected:
-            chosen = torch.tensor(selected, dtype=torch.long)
-            slots = torch.tensor([self.slot_of[group][b] for b in selected], dtype=torch.long)
+            device = visible.device
+            chosen = torch.tensor(selected, dtype=torch.long, device=device)
+            slots = torch.tensor([self.slot_of[group][b] for b in selected], dtype=torch.long, device=device)
             blocks = cache.positions.narrow(0, 0, (max(selected) + 1) * self.block_size)
             visible.view(self.slots, self.block_size)[slots] = blocks.view(-1, self.block_size)[chosen]
         self._visible[group] = list(selected)
@@ -189,7 +193,9 @@ class FastTier:
             hidden = (positions == HIDDEN).unsqueeze(0)
             bias = None
             if bool(hidden.any()):
-                bias = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+                bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+                    hidden, float("-inf")
+                )
             cached = self._bias[group] = (bias,)
         return cached[0]
 

@@ -133,22 +133,25 @@ class KVStore:
         token_ids: Sequence[int] | None = None,
         kind: EntryKind | None = None,
         expect_meta: Mapping[str, object] | None = None,
+        chain: bool = True,
     ) -> KVEntry | None:
         """The entry under ``key`` if it is ours and holds ``token_ids``; else None (a miss).
 
         expect_meta: metadata the entry must carry with these exact values (e.g. a digest
         of the whole prefix a block was computed after), checked like the token ids.
+        chain: the memory tier also marks the entry's ancestors recently used; a caller reading a
+        whole chain passes False and calls :meth:`touch_chain` once.
         A tier that raises is a miss, never an error to the caller.
         """
         self.stats.lookups += 1
         for depth, tier in enumerate(self.tiers):
             try:
-                entry = tier.get(key)
+                entry = tier.get(key, chain) if isinstance(tier, MemoryTier) else tier.get(key)
                 if entry is None and depth == 0 and self.writer is not None:
                     # queued for the tiers below (ours, as we put it): back into memory if it fits
                     entry = self.writer.pending(key)
                     if entry is not None and self._owned(entry, key, token_ids, kind, expect_meta):
-                        self._put_into(tier, entry)
+                        self._put_into(tier, entry, chain)
             except Exception as exc:  # a cache failure must never fail the request
                 self._tier_failed(tier, "read", key, exc)
                 continue
@@ -170,11 +173,18 @@ class KVStore:
                     self._drop(tier, key)
                     continue
             for faster in self.tiers[:depth]:
-                self._put_into(faster, entry)
+                self._put_into(faster, entry, chain)
             self.stats.hits += 1
             return entry
         self.stats.misses += 1
         return None
+
+    def touch_chain(self, keys: Sequence[EntryKey]) -> None:
+        """Mark a prefix chain's resident blocks (``keys`` root first) most recently used in the memory
+        tier, ancestors after descendants (so eviction takes leaves first)."""
+        memory = self.memory
+        if memory is not None:
+            memory.touch_chain(keys)
 
     def contains(self, key: EntryKey) -> bool:
         if self.writer is not None and self.writer.pending(key) is not None:
@@ -206,21 +216,22 @@ class KVStore:
                 self._tier_failed(tier, "lookup", key, exc)
         return True
 
-    def _put_into(self, tier: Tier, entry: KVEntry) -> bool:
+    def _put_into(self, tier: Tier, entry: KVEntry, chain: bool = True) -> bool:
         try:
-            return bool(tier.put(entry))
+            return bool(tier.put(entry, chain) if isinstance(tier, MemoryTier) else tier.put(entry))
         except Exception as exc:  # a cache failure must never fail the request
             self._tier_failed(tier, "write", entry.key, exc)
             return False
 
-    def put(self, entry: KVEntry) -> bool:
-        """Write-through to every tier; True if at least one tier now holds the entry."""
+    def put(self, entry: KVEntry, chain: bool = True) -> bool:
+        """Write-through to every tier; True if at least one tier now holds the entry. ``chain``: as in
+        :meth:`get`."""
         if entry.fingerprint != self.fingerprint:
             raise ValueError("entry fingerprint does not match this store's model")
         self.stats.puts += 1
         if self.writer is None:
-            return any([self._put_into(tier, entry) for tier in self.tiers])
-        self._put_into(self.tiers[0], entry)
+            return any([self._put_into(tier, entry, chain) for tier in self.tiers])
+        self._put_into(self.tiers[0], entry, chain)
         self.writer.submit(entry)
         return True
 
@@ -240,6 +251,11 @@ class KVStore:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write behind is done (at once without a writer); False on timeout."""
         return True if self.writer is None else self.writer.flush(timeout_s)
+
+    def wait_written(self, keys: Sequence[EntryKey], timeout_s: float | None = None) -> bool:
+        """Wait until the writes behind of ``keys`` are done: each is then in every tier that took it (at
+        once without a writer: a put writes through). False on timeout."""
+        return True if self.writer is None else self.writer.wait_for(keys, timeout_s)
 
     @contextmanager
     def pinned(self, keys: Sequence[EntryKey]) -> Iterator[None]:

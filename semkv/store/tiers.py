@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -64,7 +64,10 @@ class Tier(Protocol):
 class MemoryTier:
     """In-process LRU under a byte budget. Pinned entries (refcount > 0) are never evicted.
 
-    Prefix blocks are evicted leaf first: touching a block also touches its ancestors.
+    Prefix blocks are evicted leaf first: touching a block also touches its ancestors. A caller that
+    reads or writes a whole chain (a prefix lookup, a stored prompt) touches each block alone
+    (``chain=False``) and then the chain once, leaf first (:meth:`touch_chain`): linear in the chain's
+    length instead of quadratic.
 
     An entry that cannot fit without evicting pinned ones is not admitted
     (``put`` returns False): the tier is a cache and the tiers below still hold it.
@@ -81,21 +84,25 @@ class MemoryTier:
         self._pinned_bytes = 0
         self._lock = threading.RLock()
 
-    def get(self, key: EntryKey) -> KVEntry | None:
+    def get(self, key: EntryKey, chain: bool = True) -> KVEntry | None:
+        """The resident entry under ``key``, marked most recently used (with its ancestors unless
+        ``chain`` is False); None if not resident."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 self.stats.misses += 1
                 return None
-            self._touch(entry)
+            self._touch(entry, chain)
             self.stats.hits += 1
             self.stats.bytes_read += entry.nbytes
             return entry
 
-    def put(self, entry: KVEntry) -> bool:
+    def put(self, entry: KVEntry, chain: bool = True) -> bool:
+        """Admit ``entry`` (or touch it if resident), most recently used with its ancestors unless
+        ``chain`` is False; False if it cannot fit without evicting pinned entries."""
         with self._lock:
             if entry.key in self._entries:
-                self._touch(self._entries[entry.key])
+                self._touch(self._entries[entry.key], chain)
                 return True
             size = entry.nbytes
             if size > self.budget_bytes:
@@ -103,19 +110,29 @@ class MemoryTier:
             if not self._make_room(size):
                 return False
             self._entries[entry.key] = entry
-            self._touch(entry)
+            self._touch(entry, chain)
             self._bytes += size
             self.stats.writes += 1
             self.stats.bytes_written += size
             return True
 
-    def _touch(self, entry: KVEntry) -> None:
-        """Mark ``entry`` and then its resident ancestors most recently used.
+    def touch_chain(self, keys: Sequence[EntryKey]) -> None:
+        """Mark the resident entries of a prefix chain (``keys`` root first) most recently used, the root
+        most of all: one move per block."""
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+
+    def _touch(self, entry: KVEntry, chain: bool = True) -> None:
+        """Mark ``entry`` and then (``chain``) its resident ancestors most recently used.
 
         A prefix block is useless without the blocks before it, so ancestors stay more
         recent than their descendants and eviction takes the leaves of a chain first.
         """
         self._entries.move_to_end(entry.key)
+        if not chain:
+            return
         parent, seen = entry.parent, 0
         while parent is not None and parent in self._entries and seen < len(self._entries):
             self._entries.move_to_end(parent)

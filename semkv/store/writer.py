@@ -133,6 +133,19 @@ class TierWriter:
                 self._cond.wait(left)
         return True
 
+    def wait_for(self, keys: Sequence[EntryKey], timeout_s: float | None = None) -> bool:
+        """Wait until none of ``keys`` is queued or being written (each was written to every lower tier,
+        or cancelled); writes queued before or after them need not be done. False on timeout."""
+        wanted = set(keys)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while wanted & self._queue.keys() or (self._writing is not None and self._writing.key in wanted):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def close(self) -> None:
         """Write what is queued, then stop the thread (idempotent)."""
         with self._cond:

@@ -17,6 +17,13 @@ from semkv.models.kernels import (
     gemm_attention,
     gemm_query_groups,
 )
+from tests.tolerances import attention_atol
+
+
+def _fp32_tol(q, k, v, scaling) -> dict[str, float]:
+    """What two fp32 attention kernels' summation orders may leave between their outputs
+    (:func:`tests.tolerances.attention_atol`)."""
+    return {"atol": attention_atol(q, k, v, scaling), "rtol": 0.0}
 
 
 def reference(q, k, v, q_pos, k_pos, scaling, window=None):
@@ -50,8 +57,7 @@ def test_scattered_queries_match_reference(num_queries):
     torch.testing.assert_close(
         attention(q, k, v, q_pos, k_pos, scaling),
         reference(q, k, v, q_pos, k_pos, scaling),
-        atol=1e-5,
-        rtol=1e-4,
+        **_fp32_tol(q, k, v, scaling),
     )
 
 
@@ -63,7 +69,7 @@ def test_queries_between_keys_match_reference():
     q_pos = torch.arange(1, 2 * 3 * SPLIT_QUERY_ROWS, 2) * 3
     out = attention(q, k, v, q_pos, k_pos, 0.25)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, reference(q, k, v, q_pos, k_pos, 0.25), **_fp32_tol(q, k, v, 0.25))
 
 
 def test_sliding_window_and_unsorted_positions_match_reference():
@@ -71,15 +77,13 @@ def test_sliding_window_and_unsorted_positions_match_reference():
     torch.testing.assert_close(
         attention(q, k, v, q_pos, k_pos, 0.25, window=100),
         reference(q, k, v, q_pos, k_pos, 0.25, window=100),
-        atol=1e-5,
-        rtol=1e-4,
+        **_fp32_tol(q, k, v, 0.25),
     )
     order = torch.randperm(q_pos.shape[0], generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(
         attention(q[:, order], k, v, q_pos[order], k_pos, 0.25),
         reference(q[:, order], k, v, q_pos[order], k_pos, 0.25),
-        atol=1e-5,
-        rtol=1e-4,
+        **_fp32_tol(q, k, v, 0.25),
     )
 
 
@@ -96,7 +100,9 @@ def test_suffix_queries_match_reference(reused):
         torch.randn(2, k_pos.shape[0], 16, generator=gen),
     )
     torch.testing.assert_close(
-        attention(q, k, v, q_pos, k_pos, 0.25), reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-4
+        attention(q, k, v, q_pos, k_pos, 0.25),
+        reference(q, k, v, q_pos, k_pos, 0.25),
+        **_fp32_tol(q, k, v, 0.25),
     )
 
 
@@ -113,9 +119,15 @@ def test_generic_path_without_the_cpu_kernel(num_queries, monkeypatch):
     fused_suffix = attention(q, k, v, tail, k_pos, scaling)
     monkeypatch.setattr(kernels, "_FLASH_CPU", None)
     assert not kernels._splittable(q, k, q_pos, k_pos, None)
-    torch.testing.assert_close(attention(q, k, v, q_pos, k_pos, scaling), fused, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(attention(q, k, v, tail, k_pos, scaling), fused_suffix, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused, reference(q, k, v, q_pos, k_pos, scaling), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        attention(q, k, v, q_pos, k_pos, scaling), fused, **_fp32_tol(q, k, v, scaling)
+    )
+    torch.testing.assert_close(
+        attention(q, k, v, tail, k_pos, scaling), fused_suffix, **_fp32_tol(q, k, v, scaling)
+    )
+    torch.testing.assert_close(
+        fused, reference(q, k, v, q_pos, k_pos, scaling), **_fp32_tol(q, k, v, scaling)
+    )
 
 
 GEMM_CASES = {
@@ -147,7 +159,7 @@ def test_gemm_kernel_matches_reference(name):
         k, v, k_pos = k[:, order], v[:, order], k_pos[order]
     expected = reference(q, k, v, q_pos, k_pos, 0.25, window)
     got = gemm_attention(q, k, v, q_pos, k_pos, 0.25, window)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, expected, **_fp32_tol(q, k, v, 0.25))
     low = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, k_pos, 0.25, window)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), expected, atol=3e-2, rtol=0)
@@ -209,7 +221,6 @@ def test_window_key_ranges_come_in_buckets():
             torch.testing.assert_close(
                 gemm_attention(q, k, v, q_pos, k_pos, 0.25, window),
                 reference(q, k, v, q_pos, k_pos, 0.25, window),
-                atol=1e-5,
-                rtol=1e-4,
+                **_fp32_tol(q, k, v, 0.25),
             )
     assert len(widths) <= 2200 // GEMM_KEY_BUCKET + 12  # without buckets: a new width for nearly every group

@@ -44,8 +44,8 @@ def test_whole_buffer_decode_equals_decode_over_the_valid_rows() -> None:
     runtime = _runtime()
     tight, token = _prefilled(runtime, PROMPT + STEPS)
     loose, _ = _prefilled(runtime, 4 * (PROMPT + STEPS))
-    assert runtime._whole_buffers(tight, True) is not None
-    assert runtime._whole_buffers(loose, True) is None
+    assert runtime.whole_buffers(tight, True) is not None
+    assert runtime.whole_buffers(loose, True) is None
     for layer in range(tight.num_layers):  # stale rows past the length, as a truncation leaves them
         tight.k_rot[layer][:, PROMPT:] = 30.0
         tight.v[layer][:, PROMPT:] = -30.0
@@ -74,7 +74,7 @@ def test_grown_buffers_hold_zeros_past_the_length(monkeypatch: pytest.MonkeyPatc
         assert torch.equal(
             cache.v[layer][:, cache.length :], torch.zeros_like(cache.v[layer][:, cache.length :])
         )
-    while runtime._whole_buffers(cache, True) is None:  # doubled: decode until the padding is small
+    while runtime.whole_buffers(cache, True) is None:  # doubled: decode until the padding is small
         assert cache.length < cache.capacity
         token = int(runtime.decode(cache, token).argmax())
     for _ in range(STEPS):
@@ -117,7 +117,7 @@ def test_a_cache_left_alone_in_an_arena_slot_decodes_over_the_slot() -> None:
         wide_token = int(together[1].argmax())
         assert tokens[0] == tokens[1]
     assert narrow.in_arena and narrow.k_rot[0].shape[1] > narrow.capacity
-    span = runtime._whole_buffers(narrow, True)
+    span = runtime.whole_buffers(narrow, True)
     assert span is not None and span.rows == narrow.k_rot[0].shape[1]
     for _ in range(3):
         got, want = runtime.decode(narrow, tokens[0]), runtime.decode(twin, tokens[1])

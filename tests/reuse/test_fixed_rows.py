@@ -2,7 +2,7 @@
 
 A query probe and a recompute whose rows are known before the forward (check layer 0, a selector that does
 not rank by KV deviation) run only their rows from layer 0 on (``forward_fixed_rows``), and the chunk rows
-are loaded layer by layer in one piece (``_load_pieces``). Each is checked here against the general
+are loaded layer by layer in one call (``Runtime.load_pieces``). Each is checked here against the general
 mechanism on the same loaded rows: the probe's scores, the recompute's chosen rows, first-token logits
 and every row's KV at every layer (layer 0 included: there the rows left out keep the stored KV, which a
 forward over every row would have rewritten with the same values).
@@ -17,8 +17,9 @@ import torch
 
 from semkv.engine import Engine
 from semkv.models.cache import KVCache
+from semkv.models.runtime import RowSource
 from semkv.request import GenerateRequest
-from semkv.reuse.blend import _load_pieces, _stored_rows
+from semkv.reuse.blend import _stored_rows
 from semkv.reuse.selection.base import RowInfo
 from semkv.reuse.selection.registry import make_selector
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute, forward_fixed_rows
@@ -28,7 +29,7 @@ from tests.reuse.test_blend import DOCS, QUESTION, _engine, _laid_out, _stored_s
 
 
 def _loaded(engine: Engine) -> tuple[KVCache, RowInfo]:
-    """The blend's rows (no exact prefix) loaded by ``_load_pieces``, and what each row is (the separator
+    """The blend's rows (no exact prefix) loaded by ``Runtime.load_pieces``, and what each row is (the separator
     after a chunk comes from the chunk's entry, as chunks are stored with it by default)."""
     layout = engine.layout(GenerateRequest(prompt=QUESTION, chunks=DOCS))
     cache = engine.runtime.new_cache(len(layout))
@@ -36,11 +37,15 @@ def _loaded(engine: Engine) -> tuple[KVCache, RowInfo]:
     pieces, forced, query, offsets = [], [], [], []
     for seg, start, end, entry, at in _stored_rows(layout, entries, True):
         n = end - start
-        pieces.append((entry, at, at + n))
+        pieces.append(
+            RowSource.empty(n)
+            if entry is None
+            else RowSource(entry.k[:, :, at : at + n], entry.v[:, :, at : at + n])
+        )
         forced += [entry is None] * n
         query += [seg.kind in ("body", "suffix")] * n
         offsets += list(range(at, at + n)) if entry is not None else [-1] * n
-    _load_pieces(engine.runtime, cache, pieces, layout.token_ids, 0)
+    engine.runtime.load_pieces(cache, pieces, engine.runtime.positions(0, len(layout)), layout.token_ids)
     return cache, RowInfo(torch.tensor(forced), torch.tensor(query), torch.tensor(offsets))
 
 

@@ -70,6 +70,9 @@ WRONG = [
     ({"stream": "yes"}, "stream"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 5}, "stop"),
+    ({"stop": "s" * 200_000}, "stop"),  # the long-stop attack: 4 stops of 200K characters
+    ({"stop": ["s" * 200_000] * 4}, "stop"),
+    ({"semkv": {"stop": ["x"]}}, "semkv.stop"),
     ({"seed": 2**70}, "seed"),
     ({"prompt": 123}, "prompt"),
     ({"prompt": [1, 2, 3]}, "prompt.list[str].0"),
@@ -137,6 +140,24 @@ def test_prompt_over_the_context(client):
     chat["messages"] = [{"role": "user", "content": "word " * 2000}]  # default max_tokens shrinks to fit
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= 2048
+    assert client.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_text_over_the_character_limit(client):
+    """The huge-prompt attack: text that cannot fit in the context, known from its length in characters, is a
+    400 context_length_exceeded naming the limit (prompt, chat message, inline chunk; streamed too)."""
+    engine = client.app.state.semkv.engine
+    over = "w" * (engine.max_prompt_chars + 1)
+    cases = [
+        ("/v1/completions", {**GOOD, "prompt": over}),
+        ("/v1/completions", {**GOOD, "prompt": over, "stream": True}),
+        ("/v1/completions", {**GOOD, "prompt": ["Hi", over]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": over}]}),
+        ("/v1/chat/completions", {**CHAT, "semkv": {"chunks": [over]}}),
+    ]
+    for route, body in cases:
+        error = assert_openai_error(client.post(route, json=body), 400, code="context_length_exceeded")
+        assert str(engine.max_prompt_chars) in error["message"], error
     assert client.post("/v1/completions", json=GOOD).status_code == 200
 
 

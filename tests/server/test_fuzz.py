@@ -37,6 +37,9 @@ junk = st.one_of(
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
 )
 small_text = st.text(max_size=40)
+# the attacks of issue 51: stop strings of 200K characters, text over any tiny model's character limit
+long_stops = st.sampled_from(["s" * 200_000, ["ab" * 100_000] * 4, ["x" * 1000, "y" * 1001]])
+huge_text = st.sampled_from(["w" * 400_000, "lorem ipsum " * 40_000])
 word_text = st.text(min_size=1, max_size=40)
 
 
@@ -68,7 +71,7 @@ common = {
     "top_p": maybe(st.floats(0, 1)),
     "n": maybe(st.integers(0, 2)),
     "stream": maybe(st.booleans()),
-    "stop": maybe(st.one_of(small_text, st.lists(small_text, max_size=5))),
+    "stop": maybe(st.one_of(small_text, st.lists(small_text, max_size=5), long_stops)),
     "seed": maybe(st.integers(-(2**64), 2**64)),
     "stream_options": maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "semkv": semkv_field,
@@ -87,7 +90,7 @@ completion_body = body(
     {"model": st.just(TINY), "prompt": st.one_of(small_text, st.lists(small_text, max_size=3))},
     {
         **common,
-        "prompt": maybe(st.one_of(small_text, any_text, st.lists(small_text, max_size=3))),
+        "prompt": maybe(st.one_of(small_text, any_text, st.lists(small_text, max_size=3), huge_text)),
         "max_tokens": tokens,
         "echo": junk,
         "logprobs": junk,
@@ -101,6 +104,7 @@ message = st.fixed_dictionaries(
                 small_text,
                 any_text,
                 st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": small_text}), max_size=2),
+                huge_text,
             )
         ),
     },
@@ -118,7 +122,8 @@ chat_body = body(
     {**common, "max_tokens": tokens, "max_completion_tokens": tokens},
 )
 document_body = st.fixed_dictionaries(
-    {"input": maybe(st.one_of(word_text, st.lists(word_text, max_size=3), any_text))}, optional={"x": junk}
+    {"input": maybe(st.one_of(word_text, st.lists(word_text, max_size=3), any_text, huge_text))},
+    optional={"x": junk},
 )
 
 

@@ -69,7 +69,11 @@ class RowInfo:
     def plain(cls, forced: Tensor) -> RowInfo:
         """Rows with no layout known: no query rows, no chunks (deviation and random selectors only)."""
         forced = forced.bool()
-        return cls(forced, torch.zeros_like(forced), torch.full(forced.shape, -1, dtype=torch.long))
+        return cls(
+            forced,
+            torch.zeros_like(forced),
+            torch.full(forced.shape, -1, dtype=torch.long, device=forced.device),
+        )
 
 
 @dataclass

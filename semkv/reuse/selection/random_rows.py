@@ -25,5 +25,7 @@ class RandomSelector(RowSelector):
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
 
     def score(self, view: ScoreView) -> Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1000 + view.layer)
-        return torch.rand(view.candidates.numel(), generator=generator).to(view.candidates.device)
+        # drawn on the host so a seed gives the same rows on every device
+        generator = torch.Generator(device="cpu").manual_seed(self.seed * 1000 + view.layer)
+        scores = torch.rand(view.candidates.numel(), generator=generator, device="cpu")
+        return scores.to(view.candidates.device)
