@@ -240,6 +240,11 @@ class Engine:
         the engine's lock: call it off the engine thread, which goes on meanwhile."""
         return self.store.wait_written(keys, timeout_s)
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's row takes in a live cache (every layer: pre-RoPE keys in the KV dtype,
+        rotated keys and values in the compute dtype)."""
+        return self.runtime.kv_bytes_per_token()
+
     def compute_model(self) -> torch.nn.Module:
         """The HF model in the dtype the runtime computes in (the runtime's own cast copy, or the loaded
         model): for comparisons against HF's forward on the same weights."""
