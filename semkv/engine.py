@@ -43,7 +43,7 @@ from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
 from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
 from semkv.prompt import PromptLayout, build_layout, tokenize_text
-from semkv.request import GenerateRequest, Generation, ResolvedRequest
+from semkv.request import AnyRequest, GenerateRequest, Generation, ResolvedRequest
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath, TailPrefillPath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 
 SHARE_INDEX_DIR = "share_index"
 TOKENIZER_COPIES = 2  # requests tokenized at once off the engine thread (each on its own tokenizer copy)
-AnyRequest = GenerateRequest | ResolvedRequest
 
 
 class Engine:

@@ -258,3 +258,6 @@ def _check_stop(stop: object) -> list[str]:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+AnyRequest = GenerateRequest | ResolvedRequest  # a request as given, or resolved ahead of time

@@ -47,14 +47,11 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from semkv.config import SchedulerConfig
-from semkv.request import GenerateRequest, Generation, ResolvedRequest
+from semkv.request import AnyRequest, GenerateRequest, Generation, ResolvedRequest
 from semkv.sequence import TokenCallback
 from semkv.text_stream import TextStream
 
 log = logging.getLogger(__name__)
-
-
-AnyRequest = GenerateRequest | ResolvedRequest  # what the scheduler queues (a runner may resolve ahead)
 
 
 class QueueFull(RuntimeError):

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from semkv.models.kernels import in_order
+
 # (layer, rotated queries [nh, A, d], their positions [A]) -> None; see Runtime.forward_rows.
 QueryObserver = Callable[[int, Tensor, Tensor], None]
 
@@ -144,8 +146,7 @@ class KVCache:
     def ordered(self) -> bool:
         """The valid rows' positions never decrease (read from the device once, then kept)."""
         if self._in_order is None:
-            pos = self.valid_positions()
-            self._in_order = not bool((pos[1:] < pos[:-1]).any())
+            self._in_order = in_order(self.valid_positions())
         return self._in_order
 
     def position_span(self) -> int:

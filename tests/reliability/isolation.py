@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from semkv.engine import Engine
 from semkv.request import GenerateRequest
@@ -28,6 +29,21 @@ INNOCENT_REQUEST = GenerateRequest(
     sparse=None,
 )
 HOSTILE_PROMPT = "Write a long story about a dragon."
+
+
+def hostile_request(**changes: Any) -> GenerateRequest:
+    """The hostile request of a test: :data:`HOSTILE_PROMPT`, 30 tokens past any EOS, dense, nothing reused
+    or stored; ``changes`` override fields (e.g. a sampling setting, a stop string)."""
+    base = dict(
+        prompt=HOSTILE_PROMPT,
+        max_new_tokens=30,
+        stop_at_eos=False,
+        store_prompt=False,
+        reuse="none",
+        sparse=None,
+    )
+    return GenerateRequest(**{**base, **changes})
+
 
 Injection = Callable[[Engine, int], None]  # called before each step with the step's index
 

@@ -11,14 +11,13 @@ NaN raised inside the batched step and the scheduler ended both.
 from __future__ import annotations
 
 from semkv.engine import Engine
-from semkv.request import GenerateRequest
 from tests.reliability.isolation import (
     HOSTILE,
-    HOSTILE_PROMPT,
     INNOCENT,
     INNOCENT_REQUEST,
     alone,
     assert_unharmed,
+    hostile_request,
     run_together,
     running_sequence,
 )
@@ -33,14 +32,7 @@ def poison_values(engine: Engine, step: int) -> None:
 
 def test_nan_logits_end_their_sequence_alone(make_tiny_engine):
     engine = make_tiny_engine("llama")
-    hostile = GenerateRequest(
-        prompt=HOSTILE_PROMPT,
-        max_new_tokens=30,
-        stop_at_eos=False,
-        store_prompt=False,
-        reuse="none",
-        sparse=None,
-    )
+    hostile = hostile_request()
     solo = alone(engine)
 
     outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, poison_values)

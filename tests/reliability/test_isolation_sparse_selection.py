@@ -10,13 +10,13 @@ code the exception left the runtime's batched step and the scheduler ended both.
 from __future__ import annotations
 
 from semkv.engine import Engine
-from semkv.request import GenerateRequest
 from tests.reliability.isolation import (
     HOSTILE,
     INNOCENT,
     INNOCENT_REQUEST,
     alone,
     assert_unharmed,
+    hostile_request,
     run_together,
     running_sequence,
 )
@@ -38,15 +38,7 @@ def break_hostile_selection(engine: Engine, step: int) -> None:
 
 def test_a_raising_sparse_selection_ends_its_sequence_alone(make_tiny_engine):
     engine = make_tiny_engine("llama", block_size=4)
-    hostile = GenerateRequest(
-        prompt=LONG,
-        max_new_tokens=30,
-        stop_at_eos=False,
-        store_prompt=False,
-        reuse="none",
-        sparse="keykey",
-        kv_budget=0.2,
-    )
+    hostile = hostile_request(prompt=LONG, sparse="keykey", kv_budget=0.2)
     solo = alone(engine)
 
     outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, break_hostile_selection)

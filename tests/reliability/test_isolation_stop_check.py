@@ -19,6 +19,7 @@ from tests.reliability.isolation import (
     INNOCENT_REQUEST,
     alone,
     assert_unharmed,
+    hostile_request,
     run_together,
 )
 
@@ -52,15 +53,7 @@ def hostile_streams_fail(engine: Engine, monkeypatch) -> None:
 
 def test_a_raising_stop_check_ends_its_request_alone(make_tiny_engine, monkeypatch):
     engine = make_tiny_engine("llama")
-    hostile = GenerateRequest(
-        prompt=HOSTILE_PROMPT,
-        max_new_tokens=30,
-        stop_at_eos=False,
-        store_prompt=False,
-        reuse="none",
-        sparse=None,
-        stop=["never appears"],
-    )
+    hostile = hostile_request(stop=["never appears"])
     solo = alone(engine)
     hostile_streams_fail(engine, monkeypatch)
 

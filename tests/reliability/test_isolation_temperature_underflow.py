@@ -18,11 +18,11 @@ import torch
 from semkv.request import GenerateRequest
 from tests.reliability.isolation import (
     HOSTILE,
-    HOSTILE_PROMPT,
     INNOCENT,
     INNOCENT_REQUEST,
     alone,
     assert_unharmed,
+    hostile_request,
     run_together,
 )
 
@@ -41,14 +41,7 @@ def greedy_top_logits(engine, request: GenerateRequest) -> list[float]:
 
 def test_underflowing_temperature_fails_no_one(make_tiny_engine):
     engine = make_tiny_engine("llama")
-    greedy = GenerateRequest(
-        prompt=HOSTILE_PROMPT,
-        max_new_tokens=STEPS,
-        stop_at_eos=False,
-        store_prompt=False,
-        reuse="none",
-        sparse=None,
-    )
+    greedy = hostile_request(max_new_tokens=STEPS)
     tops = greedy_top_logits(engine, greedy)
     first, later = tops[0], max(tops[1:])
     assert later > 1.01 * first > 0, "the prompt must reach a larger logit after its first token"

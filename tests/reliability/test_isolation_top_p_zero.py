@@ -13,14 +13,13 @@ from dataclasses import replace
 
 import torch
 
-from semkv.request import GenerateRequest
 from tests.reliability.isolation import (
     HOSTILE,
-    HOSTILE_PROMPT,
     INNOCENT,
     INNOCENT_REQUEST,
     alone,
     assert_unharmed,
+    hostile_request,
     run_together,
 )
 
@@ -30,14 +29,7 @@ TOP_P = 1e-46
 def test_top_p_zero_in_float32_is_greedy_and_fails_no_one(make_tiny_engine):
     assert float(torch.tensor(TOP_P, dtype=torch.float32)) == 0.0
     engine = make_tiny_engine("llama")
-    greedy = GenerateRequest(
-        prompt=HOSTILE_PROMPT,
-        max_new_tokens=10,
-        stop_at_eos=False,
-        store_prompt=False,
-        reuse="none",
-        sparse=None,
-    )
+    greedy = hostile_request(max_new_tokens=10)
     hostile = replace(greedy, temperature=1.0, top_p=TOP_P, seed=5)
     solo = alone(engine)
     expected = alone(engine, greedy).token_ids
