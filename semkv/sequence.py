@@ -8,6 +8,7 @@ advance it; :meth:`~semkv.engine.Engine.store_prefill` keeps what its prefill ma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +45,12 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     likely token, however small ``top_p``. logits: [V]. Raises :class:`SamplingError` for NaN or +inf
     logits, or when every logit is -inf."""
     scores = logits.float()
-    top = scores.max()
-    if bool(torch.isnan(scores).any()):
+    top = scores.max()  # NaN if any logit is NaN (max propagates it): one host read checks both
+    largest = float(top)
+    if math.isnan(largest):
         raise SamplingError("the step's logits contain NaN")
-    if not bool(torch.isfinite(top)):
-        raise SamplingError(f"the step's largest logit is {float(top)}")
+    if not math.isfinite(largest):
+        raise SamplingError(f"the step's largest logit is {largest}")
     if temperature < MIN_TEMPERATURE:
         return int(torch.argmax(scores))
     probs = torch.softmax((scores - top) / temperature, dim=-1)
