@@ -427,7 +427,8 @@ class ServerState:
         every document's KV is in every tier of the store (a server sharing the Redis tier reuses it
         from then on), then registers the records."""
         deadline = started + self.config.request_timeout_s
-        counts = await self.engine_job(lambda: self.engine.count_tokens(texts), http, deadline)
+        # tokenized on a worker thread with a private tokenizer copy: no engine step waits for it
+        counts = await run_in_threadpool(self.engine.count_tokens, texts)
         self.check_document_sizes(counts)
         new = [
             (t, n)
