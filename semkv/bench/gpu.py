@@ -212,8 +212,9 @@ def make_checkpoint(shape: Shape, tokenizer_dir: Path, folder: Path, seed: int) 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    with torch.random.fork_rng(devices=[]):  # seeded weights without moving the caller's generator
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     for name in TOKENIZER_FILES:  # the source's own files win (a chat template kept apart, say)
