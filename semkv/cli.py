@@ -45,6 +45,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "a process up to ~1.4x slower, a smaller resident heap afterwards); serve: no restart with "
         "MALLOC_ARENA_MAX=1",
     )
+    p.add_argument(
+        "--page-pool-mib",
+        type=_non_negative_int,
+        default=None,
+        help="size of the page pool, the hot tier of exact prefix KV on the device, in MiB "
+        "(default 1024; 0: no pool)",
+    )
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _engine(args: argparse.Namespace):

@@ -35,6 +35,7 @@ def default_home() -> Path:
 
 
 STORE_SECRET_ENV = "SEMKV_STORE_SECRET"
+DEFAULT_PAGE_POOL_BYTES = 1 << 30  # EngineConfig.page_pool_bytes: 1 GiB
 
 
 def _secret_from_env() -> str | None:
@@ -211,6 +212,11 @@ class EngineConfig:
         ``semkv serve`` makes every thread's by restarting with ``MALLOC_ARENA_MAX=1``): a fresh process's
         first long prefills get faster, at the price of the process keeping its peak heap.
         False: glibc's defaults.
+    page_pool_bytes: the page pool's size, the hot tier of exact prefix KV on the device
+        (:mod:`semkv.models.page_pool`): a prefix hit on its pages is a bulk copy of rows already in the
+        live cache's format. Bounded: least recently used pages are reused first. Its memory comes on
+        top of ``scheduler.max_live_kv_bytes`` (it holds no live sequence's rows). 0: no pool (hits come
+        from the store's memory tier).
     """
 
     model: str = "smollm2-135m"
@@ -225,6 +231,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     pack_weights: bool = True
     keep_freed_memory: bool = True
+    page_pool_bytes: int = DEFAULT_PAGE_POOL_BYTES
 
     def __post_init__(self) -> None:
         check_bool("pack_weights", self.pack_weights)
@@ -243,6 +250,12 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be an int in [1, 4096], got {self.block_size!r}")
+        if (
+            isinstance(self.page_pool_bytes, bool)
+            or not isinstance(self.page_pool_bytes, int)
+            or self.page_pool_bytes < 0
+        ):
+            raise ValueError(f"page_pool_bytes must be an int >= 0, got {self.page_pool_bytes!r}")
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):

@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from semkv.config import EngineConfig, SchedulerConfig, StoreConfig, make_private_dir
+from semkv.config import (
+    DEFAULT_PAGE_POOL_BYTES,
+    EngineConfig,
+    SchedulerConfig,
+    StoreConfig,
+    make_private_dir,
+)
 from semkv.host_memory import keep_freed_memory
 from semkv.loop_repair import repair, wants_repair
 from semkv.models.loader import load_model, model_fingerprint
@@ -47,6 +53,7 @@ from semkv.request import AnyRequest, GenerateRequest, Generation, ResolvedReque
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath, TailPrefillPath
 from semkv.reuse.blend import add_chunks
 from semkv.reuse.options import BlendConfig
+from semkv.reuse.prefix import PrefixKeys
 from semkv.reuse.registry import FULL, build_paths
 from semkv.scheduler import Admission, Scheduler, StepOutput
 from semkv.sequence import PrefillJob, Sequence, TokenCallback
@@ -55,7 +62,7 @@ from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
 from semkv.sparse.session import decoder_for
 from semkv.store.entry import KVShape
-from semkv.store.keys import EntryKey, Namespace, prefix_block_keys
+from semkv.store.keys import EntryKey, Namespace
 from semkv.store.store import KVStore
 from semkv.text_stream import TextStream
 from semkv.tokenizer_pool import TokenizerPool, max_chars_per_token
@@ -103,6 +110,8 @@ class Engine:
         make_private_dir(config.home_path)
         shape = KVShape(self.adapter.num_layers, self.adapter.num_kv_heads, self.adapter.head_dim)
         self.store = KVStore.from_config(config.store, config.home_path, self.fingerprint, shape)
+        if config.page_pool_bytes:
+            self.runtime.attach_page_pool(config.block_size, config.page_pool_bytes)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
         self.paths: dict[str, ReusePath] = build_paths(self.share_index_folder())
         # defaults measured by `semkv calibrate` for this fingerprint, if any
@@ -133,6 +142,7 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         pack_weights: bool = True,
         keep_freed_memory: bool = True,
+        page_pool_bytes: int = DEFAULT_PAGE_POOL_BYTES,
     ) -> Engine:
         """Load an embedded model by name (converted once into ``home``, or ``models_dir``) or a local HF
         checkpoint folder, onto ``device`` (any torch device; "cpu" by default)."""
@@ -149,6 +159,7 @@ class Engine:
             scheduler=scheduler or SchedulerConfig(),
             pack_weights=pack_weights,
             keep_freed_memory=keep_freed_memory,
+            page_pool_bytes=page_pool_bytes,
         )
         make_private_dir(config.home_path)
         loaded = load_model(config.model, config.home_path, config.models_path, config.torch_device)
@@ -170,6 +181,9 @@ class Engine:
             "pack_weights": not getattr(args, "no_pack_weights", False),
             "keep_freed_memory": not getattr(args, "no_keep_freed_memory", False),
         }
+        pool_mib = getattr(args, "page_pool_mib", None)
+        if pool_mib is not None:
+            options["page_pool_bytes"] = int(pool_mib) << 20
         options.update(overrides)
         return cls.from_pretrained(args.model, **options)
 
@@ -228,10 +242,14 @@ class Engine:
         return self.store
 
     def delete_stored(self, keys: list[str]) -> None:
-        """Remove these entries (chunk keys, block keys) from every tier of the store."""
+        """Remove these entries (chunk keys, block keys) from every tier of the store and from the page
+        pool."""
         with self._lock:
+            pool = self.runtime.page_pool
             for key in keys:
                 self.store.delete(key)
+                if pool is not None:
+                    pool.table.forget(key)
 
     def wait_stored(self, keys: list[str], timeout_s: float | None = None) -> bool:
         """Wait until these entries (e.g. a document's chunk keys from :meth:`add_chunks`) are in every
@@ -251,8 +269,10 @@ class Engine:
 
     def empty_memory_tier(self) -> int:
         """Write every queued entry to the tiers below memory, then drop the memory tier's unpinned
-        entries, so the next hits come from disk or Redis; returns how many were dropped."""
+        entries, so the next hits come from disk or Redis; returns how many were dropped. The page pool
+        above it is emptied too (:meth:`drop_page_pool`)."""
         with self._lock:
+            self.drop_page_pool()
             self.store.flush()
             memory = self.store.memory
             if memory is None:
@@ -263,6 +283,33 @@ class Engine:
                     memory.delete(key)
                     dropped += 1
             return dropped
+
+    def drop_page_pool(self) -> int:
+        """Forget every page of the page pool (pages a plan holds stay until loaded); returns how many
+        keys were forgotten. The next hits come from the store's tiers."""
+        with self._lock:
+            pool = self.runtime.page_pool
+            if pool is None:
+                return 0
+            forgotten = len(pool.table.page_of)
+            pool.table.clear()
+            return forgotten
+
+    def page_pool_stats(self) -> dict[str, int]:
+        """The page pool's size and use: pages, page tokens, pages indexed (cached or held), pages held by
+        a plan, evictions so far, bytes allocated ({} without a pool)."""
+        pool = self.runtime.page_pool
+        if pool is None:
+            return {}
+        table = pool.table
+        return {
+            "pages": table.num_pages,
+            "page_tokens": pool.block_size,
+            "indexed": len(table.page_of),
+            "held": sum(1 for refs in table.refs if refs > 0),
+            "evictions": table.evictions,
+            "bytes": pool.nbytes(),
+        }
 
     def tier_hits(self, name: str) -> int | None:
         """Hits counted so far by the store tier ``name`` ("memory", "disk", "redis"); None without it."""
@@ -343,7 +390,8 @@ class Engine:
         block = self.ctx.block_size
         keys: tuple[EntryKey, ...] = ()
         if options.mode != "none" and "prefix" in self.paths:
-            keys = tuple(prefix_block_keys(self.fingerprint, block, token_ids, options.namespace))
+            # computed once, kept with the layout for the prefix path's plan and store
+            keys = PrefixKeys.of_layout(self.fingerprint, block, layout, options.namespace).keys
         return ResolvedRequest(
             request=request,
             layout=layout,
@@ -765,10 +813,12 @@ class Engine:
 
     def cached_prompt_tokens(self, admission: Admission) -> int:
         """Leading prompt tokens a request would load as an exact stored prefix if it started now: its
-        full blocks found in the store from the first on (all but the last token at most)."""
+        full blocks found in the page pool or the store from the first on (all but the last token at
+        most)."""
+        pool = self.runtime.page_pool
         found = 0
         for key in admission.prefix_keys:
-            if not self.store.contains(key):
+            if (pool is None or pool.table.lookup(key) is None) and not self.store.contains(key):
                 break
             found += 1
         return min(found * admission.prefix_block_size, admission.prompt_tokens - 1)

@@ -38,7 +38,11 @@ class Segment:
 
 @dataclass
 class PromptLayout:
+    """A prompt's tokens as segments. ``derived``: what was computed once from the tokens and is kept
+    with them (e.g. the prefix block keys, :class:`semkv.reuse.prefix.PrefixKeys`)."""
+
     segments: list[Segment] = field(default_factory=list)
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def token_ids(self) -> list[int]:

@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-tokens", type=int, default=2048, help="document length for all measurements")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument(
+        "--reuse-only",
+        action="store_true",
+        help="only the prefix-reuse rows (full prefill, pool hit, store hit, copy and step floors)",
+    )
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -120,21 +125,30 @@ def copy_seconds(num_bytes: int, repeats: int) -> float:
 
 
 def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
-    """TTFT of full prefill vs prefix reuse for follow-up questions on one document, and next to the hit:
-    one copy of the KV bytes it reuses (in the live cache's format) and one decode step at that length,
-    measured in the same run (the hit's cost beyond a decode step, in copies of its bytes)."""
+    """TTFT of full prefill vs prefix reuse for follow-up questions on one document — a hit on the page
+    pool (the default hot tier) and the same hit from the store's memory tier (pool emptied) — and next
+    to the pool hit: one copy of the KV bytes it reuses (in the live cache's format) and one decode step
+    at that length, measured in the same run (the hit's cost beyond a decode step, in copies of its
+    bytes)."""
     rows = []
-    engine.generate(prompt=document + "\n\n" + QUESTIONS[0], max_new_tokens=1)  # stores the document's blocks
     for question in tqdm(QUESTIONS[1:], desc="prefix reuse", leave=False):
         prompt = document + "\n\n" + question
+        # stores the document's blocks (store and pool)
+        engine.generate(prompt=document + "\n\n" + QUESTIONS[0], max_new_tokens=1)
         full, reused = [], []
         for _ in range(repeats):
             full.append(engine.generate(prompt=prompt, max_new_tokens=24, reuse="none", store_prompt=False))
             reused.append(
                 engine.generate(prompt=prompt, max_new_tokens=24, reuse="prefix", store_prompt=False)
             )
+        engine.drop_page_pool()
+        from_store = [
+            engine.generate(prompt=prompt, max_new_tokens=1, reuse="prefix", store_prompt=False)
+            for _ in range(repeats)
+        ]
         ttft_full = median([g.stats["ttft_s"] for g in full])
         ttft_prefix = median([g.stats["ttft_s"] for g in reused])
+        ttft_store = median([g.stats["ttft_s"] for g in from_store])
         reused_bytes = reused[0].stats["reused_tokens"] * engine.kv_bytes_per_token()
         copy_s = copy_seconds(reused_bytes, repeats)
         step_s = median([g.stats["decode_ms_per_token"] / 1000 for g in reused])
@@ -143,9 +157,12 @@ def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
                 "question": question,
                 "prompt_tokens": full[0].stats["prompt_tokens"],
                 "reused_tokens": reused[0].stats["reused_tokens"],
+                "pooled_blocks": reused[0].stats.get("pooled_blocks", 0),
                 "ttft_full_s": ttft_full,
                 "ttft_prefix_s": ttft_prefix,
                 "speedup": ttft_full / ttft_prefix,
+                "ttft_prefix_from_store_s": ttft_store,
+                "speedup_from_store": ttft_full / ttft_store,
                 "reused_kv_mib": reused_bytes / 2**20,
                 "copy_s": copy_s,
                 "decode_step_s": step_s,
@@ -157,6 +174,18 @@ def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
             }
         )
     return rows
+
+
+def print_reuse_rows(rows: list[dict]) -> None:
+    for row in rows:
+        print(
+            f"prefix reuse: {row['prompt_tokens']} tokens, TTFT {row['ttft_full_s']:.3f}s -> "
+            f"{row['ttft_prefix_s']:.4f}s pooled ({row['speedup']:.1f}x, {row['pooled_blocks']} pages), "
+            f"{row['ttft_prefix_from_store_s']:.4f}s from the store ({row['speedup_from_store']:.1f}x), "
+            f"identical={row['answers_identical']}; one copy of its {row['reused_kv_mib']:.0f} MiB "
+            f"{1000 * row['copy_s']:.1f} ms, one decode step {1000 * row['decode_step_s']:.1f} ms: "
+            f"hit - step = {row['hit_beyond_step_over_copy']:.1f} copies"
+        )
 
 
 def disk_throughput(engine, text: str) -> dict[str, float]:
@@ -202,6 +231,14 @@ def run(args: argparse.Namespace) -> int:
     document = haystack(tokenizer, args.context_tokens - 120, start_essay=3)
     text = haystack(tokenizer, args.context_tokens)
     context_tokens = len(engine.layout(plain_request(text, 1)))
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
+    if args.reuse_only:
+        reuse_rows = prefix_reuse(engine, document, args.repeats)
+        summary = {"context_tokens": context_tokens, "threads": torch.get_num_threads()}
+        write_results(args.out, "prefix", reuse_rows, config, extra={"summary": summary})
+        print_reuse_rows(reuse_rows)
+        print(f"results in {args.out}/prefix.json and prefix.md")
+        return 0
     progress = tqdm(total=3, desc="bench prefix")
     overhead = runtime_vs_hf(engine, text, args.repeats, args.decode_tokens)
     progress.update()
@@ -211,7 +248,6 @@ def run(args: argparse.Namespace) -> int:
     progress.update()
     progress.close()
     summary = {**overhead, **storage, "context_tokens": context_tokens, "threads": torch.get_num_threads()}
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
     notes = "## Runtime vs HF and storage\n\n" + "\n".join(
         f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
     )
@@ -221,13 +257,7 @@ def run(args: argparse.Namespace) -> int:
         f"decode ours/HF = {overhead['decode_ratio_ours_over_hf']:.3f}  "
         f"({overhead['decode_ours_ms_per_token']:.1f} vs {overhead['decode_hf_ms_per_token']:.1f} ms/token)"
     )
-    for row in reuse_rows:
-        print(
-            f"prefix reuse: {row['prompt_tokens']} tokens, TTFT {row['ttft_full_s']:.3f}s -> "
-            f"{row['ttft_prefix_s']:.3f}s ({row['speedup']:.1f}x), identical={row['answers_identical']}; "
-            f"one copy of its {row['reused_kv_mib']:.0f} MiB {1000 * row['copy_s']:.1f} ms, one decode step "
-            f"{1000 * row['decode_step_s']:.1f} ms: hit - step = {row['hit_beyond_step_over_copy']:.1f} copies"
-        )
+    print_reuse_rows(reuse_rows)
     print(
         f"KV {summary['kv_bytes_per_token']:.0f} B/token; disk write {summary['disk_write_MBps']:.0f} MB/s, "
         f"read {summary['disk_read_MBps']:.0f} MB/s"

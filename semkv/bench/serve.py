@@ -134,6 +134,8 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
     for switch in ("no_pack_weights", "no_keep_freed_memory"):
         if getattr(args, switch, False):
             flags.append("--" + switch.replace("_", "-"))
+    if getattr(args, "page_pool_mib", None) is not None:
+        flags += ["--page-pool-mib", str(args.page_pool_mib)]
     if args.redis:
         flags += ["--redis", args.redis]
     return flags

@@ -40,6 +40,7 @@ from semkv.models.kernels import (
     decode_products,
     uses_gemm_kernels,
 )
+from semkv.models.page_pool import PageLayout, PagePool
 from semkv.models.precision import cast_model
 
 Attention = Callable[..., Tensor]  # :func:`~semkv.models.kernels.attention`'s signature
@@ -272,6 +273,25 @@ class Runtime:
         # loop); the CPU keeps its kernels, which read positions on the host where that is cheap
         self.sync_free_decode = self.device.type != "cpu"
         self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live caches made here
+        self.page_pool: PagePool | None = None  # the hot tier of exact prefix KV (attach_page_pool)
+
+    def attach_page_pool(self, block_size: int, budget_bytes: int) -> PagePool | None:
+        """Keep exact prefix blocks of ``block_size`` tokens in a page pool of at most ``budget_bytes``
+        on this runtime's device (:mod:`semkv.models.page_pool`); None (no pool) when not one page fits.
+        The pool's buffers are allocated on its first write."""
+        a = self.adapter
+        layout = PageLayout(
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            block_size,
+            self.kv_dtype,
+            self.compute_dtype,
+            self.device,
+        )
+        pages = layout.within(budget_bytes)
+        self.page_pool = PagePool(layout, pages) if pages > 0 else None
+        return self.page_pool
 
     def track(self, cache: KVCache) -> KVCache:
         """Count ``cache`` (made elsewhere, e.g. a deep copy) in :meth:`kv_held_bytes`; returns it."""

@@ -1,19 +1,25 @@
 """Exact prefix reuse over chained blocks (the vLLM / SGLang baseline).
 
 The prompt's full blocks are keyed by a chain hash; the longest run of stored
-blocks from the start is loaded into the cache and only the rest is prefilled. A
+blocks from the start is loaded into the cache and only the rest is prefilled. The
+hot tier is the runtime's page pool (:mod:`semkv.models.page_pool`): blocks kept
+there are copied in bulk, as they are; the store's tiers (memory, disk, Redis) are
+looked up for the blocks after them. A
 fully cached prompt still computes its last token (its logits are needed), so at
 most ``len(prompt) - 1`` tokens are reused.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.page_pool import PageInfo, PageLease, PagePool
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import (
     BlockSummaries,
@@ -26,31 +32,134 @@ from semkv.reuse.base import (
 )
 from semkv.reuse.options import ReuseOptions
 from semkv.store.entry import KVEntry
-from semkv.store.keys import PREFIX_DIGEST_META, EntryKind, Namespace, prefix_block_keys, prefix_digests
+from semkv.store.keys import (
+    PREFIX_DIGEST_META,
+    EntryKey,
+    EntryKind,
+    Namespace,
+    prefix_block_keys,
+    prefix_digests,
+)
 from semkv.store.store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixKeys:
+    """A prompt's prefix block keys and digests in one namespace, computed once per request and carried
+    from admission to store (:meth:`of_layout` keeps them with the prompt's layout)."""
+
+    keys: tuple[EntryKey, ...]
+    digests: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, fingerprint: str, block_size: int, token_ids: Sequence[int], namespace: Namespace | None = None
+    ) -> PrefixKeys:
+        return cls(
+            tuple(prefix_block_keys(fingerprint, block_size, token_ids, namespace)),
+            tuple(prefix_digests(fingerprint, block_size, token_ids, namespace)),
+        )
+
+    @classmethod
+    def of_layout(
+        cls, fingerprint: str, block_size: int, layout: PromptLayout, namespace: Namespace | None
+    ) -> PrefixKeys:
+        """The keys of ``layout``'s tokens, computed on the first call and kept in the layout."""
+        memo = ("prefix_keys", fingerprint, block_size, namespace)
+        found = layout.derived.get(memo)
+        if not isinstance(found, PrefixKeys):
+            found = cls.of(fingerprint, block_size, layout.token_ids, namespace)
+            layout.derived[memo] = found
+        return found
+
+
+@dataclass
+class StoredPrefix:
+    """The longest stored exact prefix of a prompt: its leading blocks held as pages of the runtime's
+    page pool (``lease``, referenced until loaded), then the following blocks found in the store's
+    tiers (``blocks``)."""
+
+    lease: PageLease | None
+    blocks: list[KVEntry]
+    block_size: int
+
+    @property
+    def pooled_blocks(self) -> int:
+        return 0 if self.lease is None else len(self.lease.pages)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pooled_blocks + len(self.blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def release(self) -> None:
+        """Drop the pages' references (after loading them, or when the plan is not taken)."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 @dataclass
 class PrefixPlan(Plan):
-    blocks: list[KVEntry]
+    prefix: StoredPrefix
+
+    @property
+    def blocks(self) -> list[KVEntry]:
+        """The prefix blocks found in the store's tiers (after the pooled ones)."""
+        return self.prefix.blocks
 
 
 def lookup_prefix(
-    store: KVStore, block_size: int, token_ids: list[int], namespace: Namespace | None = None
+    store: KVStore,
+    block_size: int,
+    token_ids: list[int],
+    namespace: Namespace | None = None,
+    *,
+    keys: PrefixKeys | None = None,
+    first_block: int = 0,
 ) -> list[KVEntry]:
-    """The longest run of ``namespace``'s stored blocks covering ``token_ids`` from the start."""
+    """The longest run of ``namespace``'s stored blocks covering ``token_ids`` from block
+    ``first_block`` on (0: from the start). ``keys``: the prompt's keys if already computed."""
+    if keys is None:
+        keys = PrefixKeys.of(store.fingerprint, block_size, token_ids, namespace)
     found: list[KVEntry] = []
-    digests = prefix_digests(store.fingerprint, block_size, token_ids, namespace)
-    for index, key in enumerate(prefix_block_keys(store.fingerprint, block_size, token_ids, namespace)):
+    for index in range(first_block, len(keys.keys)):
         expect = token_ids[index * block_size : (index + 1) * block_size]
         entry = store.get(
-            key, expect, EntryKind.BLOCK, expect_meta={PREFIX_DIGEST_META: digests[index]}, chain=False
+            keys.keys[index],
+            expect,
+            EntryKind.BLOCK,
+            expect_meta={PREFIX_DIGEST_META: keys.digests[index]},
+            chain=False,
         )
         if entry is None or entry.block_size != block_size:
             break
         found.append(entry)
-    store.touch_chain([entry.key for entry in found])  # once, leaf first: linear in the chain
+    if found:
+        store.touch_chain(list(keys.keys[: first_block + len(found)]))  # once, leaf first
     return found
+
+
+def find_prefix(
+    ctx: PrefillContext, token_ids: list[int], keys: PrefixKeys, namespace: Namespace | None
+) -> StoredPrefix:
+    """The prompt's longest exact stored prefix: pages of the runtime's page pool from the first block
+    on, then blocks of the store's tiers. The pages are leased (not evictable) until
+    :meth:`StoredPrefix.release`."""
+    pool = ctx.runtime.page_pool
+    lease = None
+    if pool is not None:
+        pages = pool.table.lookup_chain(keys.keys, token_ids, keys.digests, ctx.block_size)
+        if pages:
+            lease = pool.lease(pages)
+            pool.table.touch(list(reversed(pages)))
+    first = 0 if lease is None else len(lease.pages)
+    blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids, namespace, keys=keys, first_block=first)
+    return StoredPrefix(lease, blocks, ctx.block_size)
 
 
 SUMMARY_EXTRA = "summary."  # prefix of a stored block's extras that hold its summaries
@@ -75,15 +184,132 @@ def stored_summaries(blocks: list[KVEntry], num_tokens: int, block_size: int) ->
 
 
 def load_prefix(
-    ctx: PrefillContext, cache: KVCache, blocks: list[KVEntry], num_tokens: int
+    ctx: PrefillContext,
+    cache: KVCache,
+    blocks: list[KVEntry],
+    num_tokens: int,
+    first_position: int = 0,
 ) -> list[dict[str, Tensor]]:
-    """Load the first ``num_tokens`` tokens of ``blocks`` into ``cache`` at positions 0..; returns the
-    summaries the fully loaded blocks carry (see :func:`stored_summaries`)."""
+    """Append the first ``num_tokens`` tokens of ``blocks`` (store entries) to ``cache`` at positions
+    ``first_position ..`` (where the blocks sit in the prompt); returns the summaries the fully loaded
+    blocks carry (see :func:`stored_summaries`)."""
+    if num_tokens <= 0:
+        return []
     k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
     v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
     token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
-    ctx.runtime.load_rows(cache, k, v, ctx.runtime.positions(0, num_tokens), token_ids)
+    ctx.runtime.load_rows(cache, k, v, ctx.runtime.positions(first_position, num_tokens), token_ids)
     return stored_summaries(blocks, num_tokens, ctx.block_size)
+
+
+def pooled_summaries(pool: PagePool, pages: list[int], num_tokens: int) -> list[dict[str, Tensor]]:
+    """The summaries kept with the leading pages whose rows are all loaded (up to the first without)."""
+    out = []
+    for page in pages[: num_tokens // pool.block_size]:
+        extras = pool.page_info(page).extras
+        if not extras:
+            break
+        out.append(dict(extras))
+    return out
+
+
+def load_stored_prefix(
+    ctx: PrefillContext, cache: KVCache, prefix: StoredPrefix, num_tokens: int
+) -> list[dict[str, Tensor]]:
+    """Append the prefix's first ``num_tokens`` rows to the empty ``cache``: the pooled pages' rows in
+    bulk (:meth:`PagePool.read`: plain copies, the rows are in the cache's own format), then the store
+    blocks' rows (re-rotated from their pre-RoPE keys). Releases the pages' lease. Returns the summaries
+    of the leading fully loaded blocks."""
+    pool = ctx.runtime.page_pool
+    pooled = min(num_tokens, prefix.pooled_blocks * ctx.block_size)
+    summaries: list[dict[str, Tensor]] = []
+    try:
+        if pooled and pool is not None and prefix.lease is not None:
+            pool.read(prefix.lease.pages, cache, pooled)
+            summaries = pooled_summaries(pool, prefix.lease.pages, pooled)
+    finally:
+        prefix.release()
+    rest = num_tokens - pooled
+    if rest > 0:
+        with ctx.store.pinned([b.key for b in prefix.blocks]):
+            stored = load_prefix(ctx, cache, prefix.blocks, rest, first_position=pooled)
+        if len(summaries) * ctx.block_size == pooled:  # summaries only while they run unbroken
+            summaries += stored
+    return summaries
+
+
+def publish_prefix(
+    pool: PagePool,
+    cache: KVCache,
+    token_ids: Sequence[int],
+    keys: PrefixKeys,
+    summaries: BlockSummaries | None = None,
+    num_blocks: int | None = None,
+) -> int:
+    """Keep the cache's first ``num_blocks`` full blocks (all by default; exact KV at positions 0..) as
+    pages of ``pool``, those it does not hold yet: pages are taken (evicting the least recently used),
+    filled in bulk, indexed under the blocks' keys and left cached. The chain is then touched leaf first.
+    Returns pages written (0 when the pool has no room: every page is referred to)."""
+    size = pool.block_size
+    count = len(keys.keys) if num_blocks is None else min(num_blocks, len(keys.keys))
+    count = min(count, cache.length // size)
+    if count <= 0 or not pool.fits(cache):
+        return 0
+    table = pool.table
+    present = [page for page in (table.lookup(k) for k in keys.keys[:count]) if page is not None]
+    table.acquire(present)  # the chain's own pages are not evicted to make room for the rest
+    try:
+        missing = [i for i in range(count) if table.lookup(keys.keys[i]) is None]
+        room = table.available()
+        if len(missing) > room:  # keep the leading blocks that fit: a prefix is hit from its root
+            log.info("page pool: %d of the prompt's %d missing blocks fit", room, len(missing))
+            missing = missing[:room]
+        if missing:
+            _publish_blocks(pool, cache, token_ids, keys, summaries, missing)
+    finally:
+        table.release(list(reversed(present)))
+    chain = [table.lookup(keys.keys[i]) for i in range(count)]
+    table.touch([page for page in reversed(chain) if page is not None])
+    return len(missing)
+
+
+def _publish_blocks(
+    pool: PagePool,
+    cache: KVCache,
+    token_ids: Sequence[int],
+    keys: PrefixKeys,
+    summaries: BlockSummaries | None,
+    missing: list[int],
+) -> None:
+    """Take pages for the blocks ``missing`` (at most :meth:`PageTable.available`), fill them from the
+    cache in bulk, index them under the blocks' keys and release them (cached, evictable)."""
+    size, table = pool.block_size, pool.table
+    pages = table.allocate(len(missing))
+    page_of_block = dict(zip(missing, pages, strict=True))
+    try:
+        for run in _block_runs(missing):
+            pool.write([page_of_block[i] for i in run], cache, run[0] * size)
+        for index in missing:
+            extras = {
+                kind.removeprefix(SUMMARY_EXTRA): t for kind, t in summary_extras(summaries, index).items()
+            }
+            tokens = tuple(token_ids[index * size : (index + 1) * size])
+            table.publish(
+                page_of_block[index], PageInfo(keys.keys[index], tokens, keys.digests[index], extras)
+            )
+    finally:  # a failed write leaves its pages unindexed: released, they are free again
+        table.release([page_of_block[i] for i in reversed(missing)])
+
+
+def _block_runs(blocks: list[int]) -> list[list[int]]:
+    """Consecutive block indices grouped (their rows are one piece of the cache)."""
+    runs: list[list[int]] = []
+    for index in blocks:
+        if runs and runs[-1][-1] + 1 == index:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 def store_prefix(
@@ -93,20 +319,21 @@ def store_prefix(
     skip_blocks: int = 0,
     summaries: BlockSummaries | None = None,
     namespace: Namespace | None = None,
+    keys: PrefixKeys | None = None,
 ) -> int:
     """Store every full block of the cache's first ``len(token_ids)`` rows from block ``skip_blocks`` on,
-    under ``namespace``'s keys, each with its summaries from ``summaries`` when it has them (so a later
-    hit does not recompute them).
+    under ``namespace``'s keys (``keys`` if already computed), each with its summaries from
+    ``summaries`` when it has them (so a later hit does not recompute them).
 
     The rows must hold exact (full-prefill-equivalent) KV at positions 0... Returns blocks written.
     The rows of the blocks to write are exported in one piece (one cast per layer, not one per layer and
     block, several times cheaper) and copied out per block.
     """
     size = ctx.block_size
-    keys = prefix_block_keys(ctx.fingerprint, size, token_ids, namespace)
-    digests = prefix_digests(ctx.fingerprint, size, token_ids, namespace)
+    if keys is None:
+        keys = PrefixKeys.of(ctx.fingerprint, size, token_ids, namespace)
     # not contains(): re-publish to a tier that lost it
-    missing = [i for i in range(skip_blocks, len(keys)) if not ctx.store.held_by_all(keys[i])]
+    missing = [i for i in range(skip_blocks, len(keys.keys)) if not ctx.store.held_by_all(keys.keys[i])]
     if not missing:
         return 0
     first = missing[0] * size
@@ -115,10 +342,10 @@ def store_prefix(
     for index in missing:
         rows = slice(index * size - first, (index + 1) * size - first)
         k, v = k_rows[:, :, rows].contiguous(), v_rows[:, :, rows].contiguous()
-        parent = keys[index - 1] if index else None
+        parent = keys.keys[index - 1] if index else None
         ctx.store.put(
             KVEntry(
-                keys[index],
+                keys.keys[index],
                 EntryKind.BLOCK,
                 ctx.fingerprint,
                 token_ids[index * size : (index + 1) * size],
@@ -127,32 +354,37 @@ def store_prefix(
                 block_size=size,
                 parent=parent,
                 extras=summary_extras(summaries, index),
-                meta={PREFIX_DIGEST_META: digests[index]},
+                meta={PREFIX_DIGEST_META: keys.digests[index]},
             ),
             chain=False,
         )
         written += 1
-    ctx.store.touch_chain(keys[: missing[-1] + 1])  # once, leaf first: linear in the chain
+    ctx.store.touch_chain(list(keys.keys[: missing[-1] + 1]))  # once, leaf first: linear in the chain
     return written
 
 
 class PrefixReuse:
+    """Exact prefix reuse: the page pool's pages first (a copy of rows already in the cache's format),
+    then the store's blocks."""
+
     name = "prefix"
 
     def plan(self, ctx: PrefillContext, options: ReuseOptions, layout: PromptLayout) -> PrefixPlan | Refusal:
         token_ids = layout.token_ids
-        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids, options.namespace)
-        reused = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
+        keys = PrefixKeys.of_layout(ctx.fingerprint, ctx.block_size, layout, options.namespace)
+        prefix = find_prefix(ctx, token_ids, keys, options.namespace)
+        reused = min(prefix.num_tokens, len(token_ids) - 1)
         if reused <= 0:
+            prefix.release()
             return Refusal(self.name, "no stored prefix block")
-        return PrefixPlan(self.name, layout, reused, blocks)
+        return PrefixPlan(self.name, layout, reused, prefix)
 
     def load(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> LoadedRows:
-        """The stored prefix blocks' rows (the plan's ``reused_tokens``) and the summaries they carry."""
+        """The stored prefix's rows (the plan's ``reused_tokens``) and the summaries they carry."""
         assert isinstance(plan, PrefixPlan)
-        with ctx.store.pinned([b.key for b in plan.blocks]):
-            summaries = load_prefix(ctx, cache, plan.blocks, plan.reused_tokens)
-        return LoadedRows({"prefix_blocks": len(plan.blocks)}, summaries)
+        summaries = load_stored_prefix(ctx, cache, plan.prefix, plan.reused_tokens)
+        info = {"prefix_blocks": plan.prefix.num_blocks, "pooled_blocks": plan.prefix.pooled_blocks}
+        return LoadedRows(info, summaries)
 
     def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
         return load_then_prefill(self, ctx, plan, cache)
@@ -165,8 +397,19 @@ class PrefixReuse:
         cache: KVCache,
         outcome: PrefillOutcome,
     ) -> None:
-        """Store an exact prefill's full blocks as prefix blocks (any path whose outcome is exact)."""
-        if outcome.exact:
-            store_prefix(
-                ctx, cache, layout.token_ids, summaries=outcome.summaries, namespace=options.namespace
-            )
+        """Keep an exact prefill's full blocks (any path whose outcome is exact) as pages of the page pool
+        and as prefix blocks of the store."""
+        if not outcome.exact:
+            return
+        keys = PrefixKeys.of_layout(ctx.fingerprint, ctx.block_size, layout, options.namespace)
+        pool = ctx.runtime.page_pool
+        if pool is not None:
+            publish_prefix(pool, cache, layout.token_ids, keys, outcome.summaries)
+        store_prefix(
+            ctx,
+            cache,
+            layout.token_ids,
+            summaries=outcome.summaries,
+            namespace=options.namespace,
+            keys=keys,
+        )

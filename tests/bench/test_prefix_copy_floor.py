@@ -1,5 +1,5 @@
 """``semkv bench prefix`` reports, beside each hit's TTFT, one copy of the KV bytes it reuses and one decode
-step at that length, from the same run.
+step at that length, from the same run, and the same hit served from the store (page pool emptied).
 
 Injected: nothing; the bench's own prefix-reuse measurement on a tiny engine (one repeat). Must happen:
 every row carries the reused KV in MiB (its reused tokens times the live cache's bytes per token), a
@@ -21,6 +21,11 @@ def test_each_row_puts_the_hit_next_to_a_copy_and_a_decode_step(make_tiny_engine
     assert len(rows) == len(QUESTIONS) - 1
     for row in rows:
         assert row["reused_tokens"] > 0 and row["answers_identical"]
+        assert row["pooled_blocks"] == row["reused_tokens"] // 4  # every block hit in the pool
+        assert row["ttft_prefix_from_store_s"] > 0
+        assert row["speedup_from_store"] == pytest.approx(
+            row["ttft_full_s"] / row["ttft_prefix_from_store_s"]
+        )
         assert row["reused_kv_mib"] == pytest.approx(
             row["reused_tokens"] * engine.kv_bytes_per_token() / 2**20
         )
