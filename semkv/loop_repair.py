@@ -11,18 +11,23 @@ What happens. After every decode step of a sequence whose prefill was inexact, t
 checked for a repetition (:func:`find_repetition`: the answer ends in three or more copies of a pattern
 of at most ``MAX_PERIOD`` tokens, spanning at least ``MIN_SPAN`` tokens: a loop as the blend bench counts
 one; two copies are often an echo full prefill writes too, "The answer is: 2015 2015"). The first time
-one shows up, the sequence is repaired once (:func:`repair`): the tokens after the pattern's first copy
-that no client has received yet are dropped, every cache row after the exact prefix is recomputed in place
-over the kept tokens (the KV full prefill would have there), and the next token is sampled from the
-recomputed logits; if part of the later copies was already streamed, the token that would continue the
-pattern is excluded from that one sample.
+one shows up, the sequence is repaired once (:func:`repair`): every token no client has received yet is
+dropped (all of them for a request that does not stream), every cache row after the exact prefix is
+recomputed in place over the kept tokens (the KV full prefill would have there), and decoding goes on from
+the recomputed logits, exactly. If part of the later copies was already streamed, the token that would
+continue the pattern is excluded from the next sample.
 
-Tried first: recomputing without the rollback. The exact model then carries on the repetition it sees in
-its own answer ("Marie Marie Marie ..." stayed a loop); rolled back to the first copy it answered as full
-prefill does ("Michele Marie Bachmann is 101 years ...").
+Why back to what the client has, not to the pattern's first copy (as first written). The tokens before
+the loop came from the same inexact KV as the loop, and are often already off full prefill's path; the
+exact model, given them, can carry the loop on from its first copy: a held-out blended answer (16 new
+tokens, chat template) ended in a three-token phrase five times over after its repair, where full
+prefill names the answer. Rolled back to what the client holds, an answer that was not streamed is
+re-decoded from the prompt over exact KV: it is full prefill's answer. Recomputing without any rollback
+does not help either: the exact model carries on the repetition it sees ("Marie Marie Marie ...").
 
-Cost: one exact recompute of the reused rows (about a full prefill's time) per repaired answer, added to
-its decode time (and to the batch step it happens in); nothing when no repetition shows up. Answers whose
+Cost: one exact recompute of the reused rows (about a full prefill's time) and the re-decode of the
+dropped tokens per repaired answer, added to its decode time (and to the batch step it happens in);
+nothing when no repetition shows up. Answers whose
 prefill was exact, teacher-forced steps and sparse decodes (whose block summaries would go stale) are
 never touched. ``GenerateRequest(repair_loops=False)`` turns it off.
 """
@@ -49,7 +54,8 @@ MIN_SPAN = 4  # the repeated tail must span at least this many tokens ("Marie" x
 @dataclass(frozen=True)
 class Repetition:
     """A repeated tail: ``period`` tokens long, its second copy starting at ``onset`` (tokens before it are
-    the answer up to the end of the pattern's first copy)."""
+    the answer up to the end of the pattern's first copy). A repair bans the token that continues the
+    pattern when the client already holds tokens past ``onset``."""
 
     period: int
     onset: int
@@ -89,6 +95,7 @@ def wants_repair(seq: Sequence) -> bool:
 def repair(runtime: Runtime, seq: Sequence) -> bool:
     """Repair ``seq`` if its answer ends in a repetition (see the module docstring); True if it did.
 
+    Kept: the tokens a client has received (``seq.delivered``; none when the request does not stream).
     The cache holds the prompt + ``seq.tokens[:-1]``; afterwards it holds the prompt + the kept tokens,
     every row after ``outcome.info["exact_prefix_rows"]`` (0 if the path gives none) recomputed, and
     ``seq.tokens`` is the kept tokens + one token sampled from the recomputed logits.
@@ -97,11 +104,12 @@ def repair(runtime: Runtime, seq: Sequence) -> bool:
     if found is None:
         return False
     started = time.perf_counter()
-    keep = max(found.onset, seq.delivered)
+    keep = min(seq.delivered, len(seq.tokens) - 1)  # the last token is not in the cache yet
     banned = seq.tokens[keep - found.period] if keep > found.onset else None
     cache = seq.cache
-    exact = min(int(seq.outcome.info.get("exact_prefix_rows", 0)), seq.prompt_tokens)
     cache.truncate(seq.prompt_tokens + keep)
+    # at least the last row is recomputed: its logits give the next token
+    exact = min(int(seq.outcome.info.get("exact_prefix_rows", 0)), cache.length - 1)
     logits = recompute_rows(runtime, seq, exact)
     dropped = len(seq.tokens) - keep
     del seq.tokens[keep:]

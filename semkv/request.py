@@ -39,7 +39,7 @@ class GenerateRequest:
         template's generation prompt (after a plain prompt without the template); the generated
         text continues it and does not repeat it.
     repair_loops: an answer decoded from inexact reused KV (blend, share) that starts repeating itself is
-        recomputed exactly once and rolled back to the repetition's first copy (see
+        recomputed exactly once and re-decoded from what the client has received (see
         :mod:`semkv.loop_repair`); False keeps whatever the reused KV decodes.
     tenant / cache_salt: the request's namespace (see :class:`semkv.store.keys.Namespace`): only
         requests with the same tenant and salt reuse each other's KV (prefix blocks, chunks, shared

@@ -10,6 +10,14 @@ Workloads (``--dataset``), both chat-templated as users send RAG prompts:
   HotpotQA's official EM / F1 on the answer :func:`~semkv.evaluation.hotpotqa.extract_answer` takes out
   of the generation (leading "Answer:" / "The answer is" cues, first line, first sentence, no
   parenthetical asides); ``em_raw`` / ``f1_raw`` score the generation's first line as it is.
+* ``squad``: a second prompt format (the defaults are chosen on HotpotQA's; this checks them elsewhere):
+  SQuAD v2.0 dev answerable questions from the seeded split of :mod:`semkv.evaluation.corpora`
+  (``--split``), laid out by :func:`squad_workload`: the question's own paragraph and its article's
+  neighbouring paragraphs, untitled, **in the article's order** (HotpotQA's are shuffled), up to
+  ``--target-tokens``; no system turn (the chat template's own), and an extractive instruction after the
+  documents asking for the exact words of the passage. Scored with SQuAD's EM / F1 (the best over the
+  annotators' answers) of the extracted answer, and ``correct``: an annotator's answer, normalised, occurs
+  in the normalised extracted answer.
 * ``essays``: Paul Graham essay chunks of ``--chunk-tokens`` tokens, each holding one inserted fact
   (a made-up person's code word, city or pet), ``--chunks`` of them per question (one variant per
   count), one worked example turn; scored by exact match (the answer occurs) and best-window F1.
@@ -45,10 +53,19 @@ from semkv.bench.report import line_plot, markdown_table, median, write_results
 from semkv.config import StoreConfig
 from semkv.engine import Engine
 from semkv.evaluation import metrics
-from semkv.evaluation.corpora import HOTPOT_DEV_SIZE, SPLIT_SEED, SPLITS, load_hotpotqa, split_ids
+from semkv.evaluation.corpora import (
+    HOTPOT_DEV_SIZE,
+    SPLIT_SEED,
+    SPLITS,
+    SquadItem,
+    load_hotpotqa,
+    split_ids,
+    squad_articles,
+    squad_split,
+)
 from semkv.evaluation.documents import build_pool, build_questions, messages_for
 from semkv.evaluation.hotpotqa import RagBuilder, RagConfig, extract_answer, first_line, hotpot_score
-from semkv.prompt import build_layout
+from semkv.prompt import CHUNK_SEPARATOR, build_layout
 from semkv.reuse.options import SINK_MODES, BlendConfig
 
 log = logging.getLogger(__name__)
@@ -121,6 +138,82 @@ def hotpot_workload(
         "seed": seed,
     }
     return Workload("hotpotqa", cases, score_hotpot, extract_answer, config)
+
+
+SQUAD_ANSWERS_SEPARATOR = "\n"  # BenchCase.answer of a squad case: the annotators' answers, one a line
+SQUAD_INSTRUCTION = (
+    "Using only the passages above, answer the question below with the exact words of the passage that "
+    "answers it: a short phrase copied from the text.\nQuestion: {question}"
+)
+
+
+def score_squad(text: str, answers: str) -> dict[str, float]:
+    """SQuAD EM / F1 of the extracted answer against the best of the annotators' ``answers`` (one a line),
+    and ``correct``: one of them, normalised, occurs in the normalised extracted answer (a longer reply
+    that holds the span counts)."""
+    extracted = extract_answer(text)
+    golds = [a for a in answers.split(SQUAD_ANSWERS_SEPARATOR) if a.strip()]
+    scores = [hotpot_score(extracted, gold) for gold in golds]
+    pred = f" {metrics.normalize_answer(extracted)} "
+    correct = any(f" {metrics.normalize_answer(gold)} " in pred for gold in golds)
+    return {"em": max(s.em for s in scores), "f1": max(s.f1 for s in scores), "correct": float(correct)}
+
+
+def squad_messages(question: str) -> list[dict[str, str]]:
+    """No system turn (the chat template's own); the extractive instruction and the question after the
+    documents."""
+    return [{"role": "user", "content": SQUAD_INSTRUCTION.format(question=question)}]
+
+
+def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> tuple[list[str], int]:
+    """The item's paragraph and its article's paragraphs nearest to it (one before, one after, in turn)
+    while their ``cost`` fits ``budget``, in the article's order; then other articles' paragraphs (in the
+    corpus order) after them while they fit. Returns (chunks, index of the item's paragraph)."""
+    article = list(squad_articles()[item.article])
+    at = article.index(item.context)
+    lo, hi, used = at, at + 1, cost(item.context)
+    grew = True
+    while grew:
+        grew = False
+        for side in ("before", "after"):
+            if side == "before" and lo > 0 and used + cost(article[lo - 1]) <= budget:
+                lo, used, grew = lo - 1, used + cost(article[lo - 1]), True
+            elif side == "after" and hi < len(article) and used + cost(article[hi]) <= budget:
+                hi, used, grew = hi + 1, used + cost(article[hi]), True
+    chunks = article[lo:hi]
+    for title, paragraphs in squad_articles().items():
+        if title == item.article:
+            continue
+        for paragraph in paragraphs:
+            if used + cost(paragraph) <= budget:
+                chunks.append(paragraph)
+                used += cost(paragraph)
+        if used >= budget * 0.98:
+            break
+    return chunks, at - lo
+
+
+def squad_workload(tokenizer, split: str, questions: int, skip: int, target_tokens: int) -> Workload:
+    """``questions`` SQuAD cases from position ``skip`` of the seeded ``split`` (see the module docstring),
+    each padded to about ``target_tokens`` as the tokenizer lays it out."""
+    items = squad_split(split)[skip : skip + questions]  # type: ignore[arg-type]
+    separator = len(tokenizer(CHUNK_SEPARATOR, add_special_tokens=False)["input_ids"])
+    counts: dict[str, int] = {}
+
+    def cost(text: str) -> int:
+        if text not in counts:
+            counts[text] = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + separator
+        return counts[text]
+
+    cases = []
+    for item in items:
+        messages = squad_messages(item.question)
+        budget = target_tokens - len(build_layout(tokenizer, messages=messages))
+        chunks, gold = squad_chunks(item, budget, cost)
+        answer = SQUAD_ANSWERS_SEPARATOR.join(item.answers)
+        cases.append(BenchCase(item.id, chunks, messages, answer, (gold,)))
+    config = {"split": split, "split_seed": SPLIT_SEED, "skip": skip, "target_tokens": target_tokens}
+    return Workload("squad", cases, score_squad, extract_answer, config)
 
 
 def essay_workloads(tokenizer, args: argparse.Namespace) -> list[Workload]:
@@ -385,6 +478,7 @@ def summarise(variant: str, label: str, records: list[dict], full: list[dict]) -
                 for r, f in zip(records, full, strict=True)
             ]
         ),
+        "correct": sum(r["correct"] for r in records) if "correct" in records[0] else "",
         "loops": sum(r["loop"] for r in records),
         "repaired": sum(r.get("repaired", False) for r in records),  # shards from before the repair: none
         "recomputed": _mean([r["recomputed"] for r in records]),
@@ -421,6 +515,7 @@ COLUMNS = [
     "kl",
     "top1",
     "agree_full",
+    "correct",
     "loops",
     "repaired",
     "recomputed",
@@ -542,13 +637,15 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", choices=("hotpotqa", "essays"), default="hotpotqa")
+    parser.add_argument("--dataset", choices=("hotpotqa", "squad", "essays"), default="hotpotqa")
     parser.add_argument("--questions", type=int, default=50, help="questions per workload")
     parser.add_argument(
         "--skip", type=int, default=0, help="start at this position of the split / question list"
     )
-    parser.add_argument("--split", choices=SPLITS, default="dev", help="hotpotqa: the seeded split")
-    parser.add_argument("--target-tokens", type=int, default=4096, help="hotpotqa: pad each prompt to this")
+    parser.add_argument("--split", choices=SPLITS, default="dev", help="hotpotqa / squad: the seeded split")
+    parser.add_argument(
+        "--target-tokens", type=int, default=4096, help="hotpotqa / squad: pad each prompt to this"
+    )
     parser.add_argument("--chunks", default="8,4", help="essays: chunks per question, one workload each")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="essays: tokens per chunk")
     parser.add_argument(
@@ -604,6 +701,9 @@ def _notes_for(first_workload: str) -> str:
             "HotpotQA's official scoring of the extracted answer (leading answer cues, first line, first "
             "sentence, no parenthetical asides); em_raw / f1_raw: of the generation's first line as is; "
             if first_workload == "hotpotqa"
+            else "SQuAD's scoring of the extracted answer, the best over the annotators' answers; correct = "
+            "answers holding an annotator's answer (normalised); "
+            if first_workload == "squad"
             else ""
         )
         + "f1_diff = mean paired F1 difference to full prefill with its 95% interval [f1_low, f1_high], "
@@ -628,6 +728,10 @@ def run(args: argparse.Namespace) -> int:
             hotpot_workload(
                 engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens, args.seed
             )
+        ]
+    elif args.dataset == "squad":
+        workloads = [
+            squad_workload(engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens)
         ]
     else:
         workloads = essay_workloads(engine.tokenizer, args)

@@ -419,6 +419,9 @@ BAD_SELECTORS = [
     ({"name": "query", "depth": 0}, "depth"),
     ({"name": "query", "layers": [0, 2]}, "layers"),
     ({"name": "query", "layers": "all"}, "layers"),
+    ({"name": "query", "global_layers": 0}, "global_layers"),
+    ({"name": "query", "global_layers": 2.5}, "global_layers"),
+    ({"name": "query", "global_layers": True}, "global_layers"),
     ({"name": "query+deviation", "weight": 1.5}, "weight"),
     ({"name": "query", "keep_probe_rows": 1}, "keep_probe_rows"),
     ({"name": "deviation", "k": 4}, "k"),
@@ -448,3 +451,16 @@ def test_probe_layers_skip_windowed_layers():
     dense = [None] * 30
     assert make_selector({"name": "query", "depth": 0.5}).probe_layers(dense) == tuple(range(1, 16))
     assert make_selector("query").probe_layers(dense) == tuple(range(1, 30))
+
+
+def test_probe_global_layers_count_only_global_layers():
+    """``global_layers`` N probes the first N global layers from layer 1 (windowed layers not counted);
+    ``layers`` wins over it, and it wins over ``depth``."""
+    gemma_like = [512 if (i + 1) % 6 else None for i in range(18)]  # global layers 5, 11, 17
+    assert make_selector({"name": "query", "global_layers": 1, "depth": 1.0}).probe_layers(gemma_like) == (5,)
+    assert make_selector({"name": "query", "global_layers": 2}).probe_layers(gemma_like) == (5, 11)
+    assert make_selector({"name": "query", "global_layers": 8}).probe_layers(gemma_like) == (5, 11, 17)
+    dense = [None] * 30
+    assert make_selector({"name": "query", "global_layers": 8}).probe_layers(dense) == tuple(range(1, 9))
+    assert make_selector({"name": "query", "global_layers": 99}).probe_layers(dense) == tuple(range(1, 30))
+    assert make_selector({"name": "query", "global_layers": 4, "layers": [7]}).probe_layers(dense) == (7,)

@@ -1,0 +1,50 @@
+"""``semkv bench blend --dataset squad``: the second prompt format (SQuAD, extractive, article order).
+
+Injected: real SQuAD v2.0 dev questions of the seeded dev split, a word-count cost, and generations
+wrapped as the models wrap them. Must happen: each case holds the question's own paragraph (``gold``)
+and its article's neighbouring paragraphs in the article's order within the budget; the layout stays
+within ``--target-tokens``; scoring takes the best of the annotators' answers and counts a reply holding
+one as correct.
+"""
+
+from __future__ import annotations
+
+from semkv.bench.blend import SQUAD_ANSWERS_SEPARATOR, score_squad, squad_chunks, squad_workload
+from semkv.evaluation.corpora import squad_articles, squad_split
+from semkv.prompt import build_layout
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_chunks_keep_the_article_order_around_the_gold_paragraph():
+    item = squad_split("dev")[0]
+    article = list(squad_articles()[item.article])
+    budget = 3 * words(item.context) + 200
+    chunks, gold = squad_chunks(item, budget, words)
+    assert chunks[gold] == item.context
+    assert sum(words(c) for c in chunks) <= budget
+    own = [c for c in chunks if c in article]
+    assert own == sorted(own, key=article.index)  # the article's order
+    start = article.index(own[0])
+    assert own == article[start : start + len(own)]  # contiguous around the question's paragraph
+
+
+def test_workload_fits_its_target(tokenizer):
+    workload = squad_workload(tokenizer, "dev", 3, 0, 1024)
+    assert workload.name == "squad" and len(workload.cases) == 3
+    for case, item in zip(workload.cases, squad_split("dev")[:3], strict=True):
+        assert case.chunks[case.gold[0]] == item.context
+        assert case.answer.split(SQUAD_ANSWERS_SEPARATOR) == list(item.answers)
+        assert len(build_layout(tokenizer, messages=case.messages, chunks=case.chunks)) <= 1024
+        assert not any(m["role"] == "system" for m in case.messages)  # the template's own system turn
+
+
+def test_score_takes_the_best_answer_and_counts_a_reply_holding_one():
+    answers = SQUAD_ANSWERS_SEPARATOR.join(["the Normans", "Normans in France", "France"])
+    assert score_squad("The answer is: Normans.", answers) == {"em": 1.0, "f1": 1.0, "correct": 1.0}
+    held = score_squad("They settled in Normandy, France, in the 10th century", answers)
+    assert held["em"] == 0.0 and 0 < held["f1"] < 1 and held["correct"] == 1.0
+    assert score_squad("Vikings", answers) == {"em": 0.0, "f1": 0.0, "correct": 0.0}
+    assert score_squad("Frances", answers)["correct"] == 0.0  # whole words only
