@@ -41,10 +41,11 @@ tokens are left out of the cache instead of being recomputed.
 
 from __future__ import annotations
 
-import bisect
 import logging
+import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +54,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.kernels import GEMM_QUERY_ROWS
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.lsh import (
@@ -73,6 +75,7 @@ log = logging.getLogger(__name__)
 
 UNMATCHED, ALIGNED, SAME_TOKEN, SIGNATURE = 0, 1, 2, 3
 LSH_EXTRA = "lsh"
+ROW_BUCKET = GEMM_QUERY_ROWS  # rows a share recompute computes per layer are a multiple of this
 MAX_HASHERS = 4
 NAMESPACES_DIR = "ns"
 
@@ -113,15 +116,109 @@ class TokenMatch:
         }
 
 
-def exact_prefix_length(new_ids: list[int], ref_ids: list[int]) -> int:
-    n = min(len(new_ids), len(ref_ids))
-    a = np.asarray(new_ids[:n])
-    b = np.asarray(ref_ids[:n])
-    diff = np.flatnonzero(a != b)
+def exact_prefix_length(new_ids: Sequence[int] | np.ndarray, ref_ids: Sequence[int] | np.ndarray) -> int:
+    """Leading tokens of ``new_ids`` equal to ``ref_ids``' at the same positions."""
+    a, b = as_ids(new_ids), as_ids(ref_ids)
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
 
 
-def align_runs(new_ids: list[int], ref_ids: list[int], anchor: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as an int64 array [n] (no copy when they already are one)."""
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+@dataclass(frozen=True)
+class AnchorTable:
+    """Where each ``anchor``-gram of the new prompt occurs in the reference (exact n-gram equality).
+
+    group: int64 [n - anchor + 1] per new position, the id of its n-gram (-1: not in the reference);
+    starts: int64 [G + 1] CSR offsets into ``positions``; positions: int64 reference positions of every
+    group, ascending within a group.
+    """
+
+    group: np.ndarray
+    starts: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def build(cls, new: np.ndarray, ref: np.ndarray, anchor: int) -> AnchorTable:
+        """new [n], ref [m] int64 token ids. One sort over both prompts' n-grams (rows compared whole)."""
+        n_new, n_ref = max(0, new.size - anchor + 1), max(0, ref.size - anchor + 1)
+        if n_new == 0 or n_ref == 0:
+            return cls(np.full(n_new, -1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))
+        grams = np.concatenate(
+            [
+                np.lib.stride_tricks.sliding_window_view(ref, anchor),
+                np.lib.stride_tricks.sliding_window_view(new, anchor),
+            ]
+        )
+        inverse = group_rows(grams)
+        ref_group, new_group = inverse[:n_ref], inverse[n_ref:]
+        order = np.argsort(ref_group, kind="stable")  # by group, positions ascending within one
+        counts = np.bincount(ref_group, minlength=int(inverse.max()) + 1)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        group = np.where(counts[new_group] > 0, new_group, -1).astype(np.int64)
+        return cls(group, starts, order.astype(np.int64))
+
+    def nearest(self, i: int, want: int) -> int | None:
+        """The reference position of new position ``i``'s n-gram nearest ``want`` (the lower on a tie);
+        None when the n-gram is not in the reference (or ``i`` starts none)."""
+        if i >= self.group.size or self.group[i] < 0:
+            return None
+        g = int(self.group[i])
+        hits = self.positions[self.starts[g] : self.starts[g + 1]]
+        at = int(np.searchsorted(hits, want, side="left"))
+        if at == 0:
+            return int(hits[0])
+        if at == hits.size:
+            return int(hits[-1])
+        lo, hi = int(hits[at - 1]), int(hits[at])
+        return lo if want - lo <= hi - want else hi
+
+
+def group_rows(rows: np.ndarray) -> np.ndarray:
+    """int64 [N] group id of every row of ``rows`` [N, k] (equal rows, equal ids; ids 0..G-1 in sorted
+    order of the rows): one lexicographic sort of the columns (faster than ``np.unique(axis=0)``)."""
+    if rows.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    low, high = int(rows.min()), int(rows.max())
+    width = max(1, (high - low).bit_length())
+    if low >= 0 and width * rows.shape[1] <= 64:  # every row packed exactly into one uint64
+        code = np.zeros(rows.shape[0], dtype=np.uint64)
+        for column in range(rows.shape[1]):
+            code = (code << np.uint64(width)) | (rows[:, column] - low).astype(np.uint64)
+        order = np.argsort(code, kind="stable")
+        ordered = code[order]
+        starts = np.ones(order.size, dtype=bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+    else:
+        order = np.lexsort(rows.T[::-1])
+        ordered = rows[order]
+        starts = np.ones(order.size, dtype=bool)
+        starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    inverse = np.empty(order.size, dtype=np.int64)
+    inverse[order] = np.cumsum(starts) - 1
+    return inverse
+
+
+def _first_true(flags: Callable[[int, int], np.ndarray], start: int, end: int) -> int:
+    """The first index in [start, end) where ``flags(a, b)`` (bool [b - a] for [a, b)) is True, else end.
+    Scans in doubling windows, so a short run costs a short scan."""
+    width = 32
+    while start < end:
+        stop = min(end, start + width)
+        hit = np.flatnonzero(flags(start, stop))
+        if hit.size:
+            return start + int(hit[0])
+        start, width = stop, width * 2
+    return end
+
+
+def align_runs(
+    new_ids: Sequence[int] | np.ndarray, ref_ids: Sequence[int] | np.ndarray, anchor: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
     """Match tokens in runs of identical ids. Returns (source [n] with -1 for unmatched,
     expected [n]: the reference position the current alignment predicts for each token).
 
@@ -129,53 +226,92 @@ def align_runs(new_ids: list[int], ref_ids: list[int], anchor: int = 4) -> tuple
     the occurrence nearest the current alignment offset — and extends while the next
     tokens agree. After a mismatch the offset is kept, so a substituted token does not
     lose the alignment of the tokens after it.
+
+    The greedy walk is the token-by-token one (token ``i`` continues the current diagonal
+    ``i + offset`` if the ids agree; else an anchor at ``i`` moves the diagonal; else ``i`` is
+    unmatched), but it steps from event to event: a run along the diagonal and a stretch of
+    unmatched tokens are each found with array operations, so Python runs once per run, not
+    once per token.
     """
-    n, m = len(new_ids), len(ref_ids)
-    anchors: dict[tuple[int, ...], list[int]] = {}
-    for j in range(m - anchor + 1):
-        anchors.setdefault(tuple(ref_ids[j : j + anchor]), []).append(j)
+    new, ref = as_ids(new_ids), as_ids(ref_ids)
+    n, m = new.size, ref.size
+    table = AnchorTable.build(new, ref, anchor)
+    has_anchor = table.group >= 0  # [n - anchor + 1]
     source = np.full(n, -1, dtype=np.int64)
     expected = np.zeros(n, dtype=np.int64)
     offset, i = 0, 0
-    next_j: int | None = 0
+
+    def on_diagonal(a: int, b: int) -> np.ndarray:
+        """[b - a] bool: new[k] == ref[k + offset] (False where k + offset is outside the reference)."""
+        out = np.zeros(b - a, dtype=bool)
+        lo, hi = max(a, -offset), min(b, m - offset)
+        if lo < hi:
+            out[lo - a : hi - a] = new[lo:hi] == ref[lo + offset : hi + offset]
+        return out
+
+    def differs(a: int, b: int) -> np.ndarray:
+        return ~on_diagonal(a, b)
+
+    def resumes(a: int, b: int) -> np.ndarray:
+        """[b - a] bool: token k continues the diagonal or starts an anchor."""
+        out = on_diagonal(a, b)
+        hi = min(b, has_anchor.size)
+        if a < hi:
+            out[: hi - a] |= has_anchor[a:hi]
+        return out
+
     while i < n:
-        expected[i] = i + offset
-        if next_j is not None and 0 <= next_j < m and new_ids[i] == ref_ids[next_j]:
-            source[i] = next_j
-            i, next_j = i + 1, next_j + 1
+        stop = _first_true(differs, i, n)  # the run along the current diagonal: [i, stop)
+        if stop > i:
+            source[i:stop] = np.arange(i + offset, stop + offset)
+            expected[i:stop] = source[i:stop]
+            i = stop
             continue
-        hits = anchors.get(tuple(new_ids[i : i + anchor])) if i + anchor <= n else None
-        if hits:
-            want = i + offset
-            at = bisect.bisect_left(hits, want)
-            j = min(hits[max(0, at - 1) : at + 1], key=lambda c: abs(c - want))
+        j = table.nearest(i, i + offset) if i + anchor <= n else None
+        if j is not None:
             source[i : i + anchor] = np.arange(j, j + anchor)
-            expected[i : i + anchor] = np.arange(j, j + anchor)
+            expected[i : i + anchor] = source[i : i + anchor]
             offset = j - i
-            i, next_j = i + anchor, j + anchor
+            i += anchor
             continue
-        i += 1
-        next_j = i + offset
+        # token i is unmatched; so is every token up to the next that continues the diagonal or anchors
+        stop = _first_true(resumes, i + 1, n)
+        expected[i:stop] = np.arange(i + offset, stop + offset)
+        i = stop
     return source, expected
 
 
 def match_same_token(
-    new_ids: list[int], ref_ids: list[int], source: np.ndarray, expected: np.ndarray
+    new_ids: Sequence[int] | np.ndarray,
+    ref_ids: Sequence[int] | np.ndarray,
+    source: np.ndarray,
+    expected: np.ndarray,
 ) -> np.ndarray:
-    """For unmatched tokens: the reference occurrence of the same id nearest the expected position.
-    Returns a bool mask [n] of the tokens matched here (``source`` is filled in place)."""
-    where: dict[int, list[int]] = {}
-    for j, t in enumerate(ref_ids):
-        where.setdefault(t, []).append(j)
+    """For unmatched tokens: the reference occurrence of the same id nearest the expected position
+    (the lower one on a tie). Returns a bool mask [n] of the tokens matched here (``source`` is
+    filled in place). One sort of the reference and one ``searchsorted`` for all tokens."""
+    new, ref = as_ids(new_ids), as_ids(ref_ids)
     found = np.zeros(source.size, dtype=bool)
-    for i in np.flatnonzero(source < 0):
-        hits = where.get(new_ids[i])
-        if not hits:
-            continue
-        want = int(expected[i])
-        at = bisect.bisect_left(hits, want)
-        source[i] = min(hits[max(0, at - 1) : at + 1], key=lambda c: abs(c - want))
-        found[i] = True
+    todo = np.flatnonzero(source < 0)
+    if todo.size == 0 or ref.size == 0:
+        return found
+    want = expected[todo]
+    tokens = new[todo]
+    span = int(max(ref.size, int(want.max()) + 1, 1)) + 1  # key = token * span + position: one sort order
+    lowest = int(min(ref.min(), tokens.min()))
+    ref_keys = np.sort((ref - lowest) * span + np.arange(ref.size))
+    query = (tokens - lowest) * span + np.clip(want, 0, None)
+    at = np.searchsorted(ref_keys, query, side="left")
+    below = np.clip(at - 1, 0, ref_keys.size - 1)
+    above = np.clip(at, 0, ref_keys.size - 1)
+    same_below = (at > 0) & (ref_keys[below] // span == tokens - lowest)
+    same_above = (at < ref_keys.size) & (ref_keys[above] // span == tokens - lowest)
+    pos_below, pos_above = ref_keys[below] % span, ref_keys[above] % span
+    take_above = same_above & (~same_below | (pos_above - want < want - pos_below))
+    ok = same_below | same_above
+    chosen = np.where(take_above, pos_above, pos_below)
+    source[todo[ok]] = chosen[ok]
+    found[todo[ok]] = True
     return found
 
 
@@ -198,14 +334,15 @@ def match_signatures(
 
 
 def match_tokens(
-    new_ids: list[int],
-    ref_ids: list[int],
+    new_ids: Sequence[int] | np.ndarray,
+    ref_ids: Sequence[int] | np.ndarray,
     new_bits: Tensor | None,
     ref_bits: Tensor | None,
     anchor: int = 4,
     min_token_similarity: float = 0.8,
 ) -> TokenMatch:
     """Match every new token to a reference token (aligned runs, same id, nearest signature)."""
+    new_ids, ref_ids = as_ids(new_ids), as_ids(ref_ids)
     source, expected = align_runs(new_ids, ref_ids, anchor)
     kind = np.where(source >= 0, ALIGNED, UNMATCHED).astype(np.int8)
     kind[match_same_token(new_ids, ref_ids, source, expected)] = SAME_TOKEN
@@ -220,6 +357,37 @@ def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
     source = source.to(kv.device)
     out = kv.index_select(2, source.clamp_min(0))
     out[:, :, source < 0] = 0
+    return out
+
+
+def bucketed_start(n: int, prefix: int, bucket: int) -> int:
+    """The first row a share recompute computes from layer 0 on: at most ``prefix`` (the exact leading
+    rows need no compute), moved earlier so that ``n - start`` is a multiple of ``bucket`` (or 0)."""
+    if bucket <= 1:
+        return prefix
+    return max(0, n - math.ceil((n - prefix) / bucket) * bucket)
+
+
+def bucketed_schedule(ratios: dict[int, float], forced: int, total: int, bucket: int) -> dict[int, float]:
+    """``ratios`` (layer -> fraction of the reusable rows recomputed there) raised so that every layer
+    computes a whole number of ``bucket`` rows (forced rows included), or every row.
+
+    Why: a layer's matmuls take one shape per row count, and the CPU's matmul library (oneDNN) builds a
+    kernel for each new shape on its first use (~0.1-1 ms each, per projection and attention product).
+    Counts that differ from prompt to prompt made a share hit on a new reference pay that at every layer
+    (measured: forward 0.46 s on a first hit vs 0.31 s on the same prompt again); counts rounded up to
+    whole buckets recur, so a first hit costs what a repeated one does. The extra rows are the next-best by
+    the selector's score: more recompute, never less.
+    """
+    reusable = total - forced
+    if bucket <= 1 or reusable <= 0:
+        return dict(ratios)
+    out = {}
+    for layer, ratio in ratios.items():
+        budget = min(reusable, math.ceil(ratio * reusable))
+        rows = min(total, math.ceil((forced + budget) / bucket) * bucket)
+        # just under rows - forced reusable rows: ceil(ratio * reusable) gives exactly that count back
+        out[layer] = min(1.0, max(0.0, (rows - forced - 0.5) / reusable))
     return out
 
 
@@ -433,18 +601,21 @@ class SharePath:
         token_ids = plan.layout.token_ids
         n = len(token_ids)
         prefix = min(match.exact_prefix, n - 1)
+        # Rows computed from layer 0 on start at ``first``: the exact prefix's last rows join them so their
+        # count is a whole number of row buckets (their reused KV is exact either way).
+        first = bucketed_start(n, prefix, ROW_BUCKET)
         device = ctx.runtime.device
         with ctx.store.pinned([ref.key]):
-            if prefix:
+            if first:
                 ctx.runtime.load_rows(
                     cache,
-                    ref.k[:, :, :prefix],
-                    ref.v[:, :, :prefix],
-                    ctx.runtime.positions(0, prefix),
-                    token_ids[:prefix],
+                    ref.k[:, :, :first],
+                    ref.v[:, :, :first],
+                    ctx.runtime.positions(0, first),
+                    token_ids[:first],
                 )
-            rows = torch.arange(prefix, n, device="cpu")  # host offsets, matched on the host
-            source = torch.from_numpy(match.source[prefix:])
+            rows = torch.arange(first, n, device="cpu")  # host offsets, matched on the host
+            source = torch.from_numpy(match.source[first:])
             if config.unmatched == "drop":
                 keep = source >= 0
                 keep[-1] = True
@@ -454,25 +625,27 @@ class SharePath:
             start = ctx.runtime.load_rows(cache, k, v, rows.to(device), [token_ids[int(i)] for i in rows])
         forced = source < 0
         if config.scattered == "recompute":
-            kinds = torch.from_numpy(match.kind[prefix:]).to(torch.long)[rows - prefix]
+            kinds = torch.from_numpy(match.kind[first:]).to(torch.long)[rows - first]
             forced |= kinds != ALIGNED
         forced[-config.recompute_last :] = True
-        selector = deviation_recompute(
-            forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on
+        schedule = bucketed_schedule(
+            config.ratios(ctx.runtime.num_layers), int(forced.sum()), forced.numel(), ROW_BUCKET
         )
+        selector = deviation_recompute(forced.to(device), schedule, config.deviation_on)
         logits = ctx.runtime.forward_rows(cache, start, selector)
-        return self._outcome(logits, plan, selector, prefix, rows.numel(), ctx.runtime.num_layers)
+        return self._outcome(logits, plan, selector, first, rows.numel(), ctx.runtime.num_layers)
 
     def _outcome(
         self,
         logits: Tensor,
         plan: SharePlan,
         selector: SelectiveRecompute,
-        prefix: int,
+        first: int,
         computed: int,
         num_layers: int,
     ) -> PrefillOutcome:
-        """computed: rows that entered forward_rows (all of them pass layer 0)."""
+        """first: the first row computed from layer 0 on; computed: rows that entered forward_rows (all of
+        them pass layer 0)."""
         n = plan.match.num_tokens
         kept = [computed]
         for layer in range(1, num_layers):
@@ -489,9 +662,10 @@ class SharePath:
             "share_match_rate": match.match_rate,
             "share_aligned_rate": match.aligned_rate,
             "share_matches": match.counts(),
-            "share_exact_prefix": prefix,
+            "share_exact_prefix": min(match.exact_prefix, n - 1),
+            "share_first_row": first,
             "share_forced": int(selector.forced.sum()),
-            "share_dropped": n - prefix - computed,
+            "share_dropped": n - first - computed,
             "share_layer_rows": kept,
             "share_recompute_fraction": sum(kept) / (num_layers * n),
             "share_lookup_ms": 1000 * plan.lookup_s,
