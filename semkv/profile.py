@@ -41,7 +41,10 @@ class AutoSparse:
     shorter than this decode dense (where the profile did not measure sparse decode safe, or attention is
     too small a share of a step for it to pay). options: the policy's options (its dataclass fields, e.g.
     the probe's ``split_at``). min_kept_tokens: the budget's floor in tokens
-    (``SparseConfig.min_kept_tokens``). reason: why (shown in the generation's stats as ``sparse_auto``).
+    (``SparseConfig.min_kept_tokens``). min_new_tokens: requests allowing fewer new tokens decode dense
+    (sparse decode's set-up — the prompt's queries captured at prefill, the policy's preparation — is
+    paid back a few milliseconds per step, so a short answer would be slower than dense). reason: why
+    (shown in the generation's stats as ``sparse_auto``).
     """
 
     policy: str | None
@@ -50,6 +53,7 @@ class AutoSparse:
     reason: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     min_kept_tokens: int = 0
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         validate_sparse(self.policy, self.kv_budget)
@@ -66,6 +70,12 @@ class AutoSparse:
             or self.min_context < 0
         ):
             raise ValueError(f"sparse_auto.min_context must be an int >= 0, got {self.min_context!r}")
+        if (
+            isinstance(self.min_new_tokens, bool)
+            or not isinstance(self.min_new_tokens, int)
+            or self.min_new_tokens < 0
+        ):
+            raise ValueError(f"sparse_auto.min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
 
     def policy_object(self) -> SparsePolicy | None:
         """A fresh policy with the calibrated options (None for dense); lists in JSON become tuples."""
@@ -89,6 +99,7 @@ class AutoSparse:
             reason=str(data.get("reason", "")),
             options=data.get("options") or {},
             min_kept_tokens=data.get("min_kept_tokens", 0),
+            min_new_tokens=data.get("min_new_tokens", 0),
         )
 
 
@@ -198,6 +209,12 @@ class EngineDefaults:
             why = (
                 f"prompt of {prompt_tokens} tokens < {auto.min_context}, below which {source} did not "
                 f"measure {auto.policy} safe: dense decoding"
+            )
+            return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}, {}
+        if auto.policy is not None and request.max_new_tokens < auto.min_new_tokens:
+            why = (
+                f"max_new_tokens {request.max_new_tokens} < {auto.min_new_tokens}: too few steps for "
+                f"{auto.policy}'s set-up to pay back ({source}): dense decoding"
             )
             return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}, {}
         budget = request.kv_budget if request.kv_budget is not None else auto.kv_budget
