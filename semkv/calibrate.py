@@ -77,6 +77,8 @@ class CalibrationConfig:
     sparse_tasks: the RULER tasks sparse cases cycle through.
     auto_min_context: prompts shorter than this decode dense under ``sparse="auto"`` (at 2K tokens
         attention is too small a share of a step for sparse decode to pay: ``semkv bench sparse --e2e``).
+    auto_min_new_tokens: requests allowing fewer new tokens decode dense under ``sparse="auto"`` (the
+        probe's set-up, ~0.1 s at 4K on SmolLM2, is paid back ~7 ms a step).
     seed: seeds the cases.
     """
 
@@ -94,6 +96,7 @@ class CalibrationConfig:
     sparse_context_tokens: int = 4096
     sparse_tasks: tuple[str, ...] = SPARSE_TASKS
     auto_min_context: int = 4096
+    auto_min_new_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.cases < 1 or self.chunks < 1 or self.decode_steps < 1:
@@ -118,8 +121,11 @@ class CalibrationConfig:
             raise ValueError(
                 f"sparse_tasks must be RULER tasks ({', '.join(ruler.TASK_NAMES)}), got {self.sparse_tasks}"
             )
-        if self.auto_min_context < 0:
-            raise ValueError(f"auto_min_context must be >= 0, got {self.auto_min_context}")
+        if self.auto_min_context < 0 or self.auto_min_new_tokens < 0:
+            raise ValueError(
+                f"auto_min_context and auto_min_new_tokens must be >= 0, got {self.auto_min_context} and "
+                f"{self.auto_min_new_tokens}"
+            )
         if "oracle" in self.policies or "dense" in self.policies:
             raise ValueError("policies must be sparse decode methods (not oracle or dense)")
         unknown = set(self.techniques) - {"blend", "share", "sparse"}
@@ -375,6 +381,7 @@ def choose_auto(measurements: dict[str, list[dict[str, Any]]], config: Calibrati
         "policy": policy,
         "kv_budget": budget,
         "min_context": config.auto_min_context,
+        "min_new_tokens": config.auto_min_new_tokens,
         "reason": f"the smallest budget reaching top-1 agreement {config.target} on {where} "
         f"(agreement {-neg_agreement:.3f}; policies tried: {', '.join(measurements)})",
     }

@@ -47,7 +47,7 @@ from semkv.loop_repair import repair, wants_repair
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
-from semkv.profile import EngineDefaults, check_request, defaults_from_profile, load_profile
+from semkv.profile import EngineDefaults, check_request, defaults_from_profile, find_profile
 from semkv.prompt import PromptLayout, build_layout, tokenize_text
 from semkv.request import AnyRequest, GenerateRequest, Generation, ResolvedRequest
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal, ReusePath, TailPrefillPath
@@ -114,9 +114,9 @@ class Engine:
             self.runtime.attach_page_pool(config.block_size, config.page_pool_bytes)
         self.ctx = PrefillContext(self.runtime, self.store, self.fingerprint, config.block_size, tokenizer)
         self.paths: dict[str, ReusePath] = build_paths(self.share_index_folder())
-        # defaults measured by `semkv calibrate` for this fingerprint, if any
+        # defaults measured by `semkv calibrate` for this fingerprint (the user's, else the shipped one)
         self.defaults: EngineDefaults = defaults_from_profile(
-            load_profile(config.home_path, self.fingerprint)
+            find_profile(config.home_path, self.fingerprint)
         )
         self.max_context = int(self.adapter.max_positions)
         self.tokenizers = TokenizerPool(tokenizer, TOKENIZER_COPIES)
@@ -386,7 +386,7 @@ class Engine:
             )
         check_request(self.defaults, request)  # warns below the calibrated profile
         options = self.defaults.reuse_options(request)
-        policy, kv_budget, sparse_notes = self.defaults.resolve_sparse(request, len(token_ids))
+        policy, kv_budget, sparse_notes, sparse_config = self.defaults.resolve_sparse(request, len(token_ids))
         block = self.ctx.block_size
         keys: tuple[EntryKey, ...] = ()
         if options.mode != "none" and "prefix" in self.paths:
@@ -400,6 +400,7 @@ class Engine:
             sparse_policy=policy,
             kv_budget=kv_budget,
             sparse_notes=sparse_notes,
+            sparse_config=sparse_config,
             prefix_keys=keys,
             block_size=block,
         )
@@ -457,6 +458,7 @@ class Engine:
             sparse = self.sparse_decoder(
                 resolved.sparse_policy,
                 resolved.kv_budget,
+                **resolved.sparse_config,
                 **({} if period is None else {"reselect_every": period}),
             )
             return PrefillJob(

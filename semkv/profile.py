@@ -3,7 +3,8 @@
 ``semkv calibrate`` measures, per model fingerprint, the smallest blend recompute ratio, share
 ratio and sparse budget whose agreement with full prefill / dense decoding reaches a target, and
 writes them as a **profile** ``<home>/profiles/<fingerprint>.json``. The engine loads the profile of
-its fingerprint at start (:func:`load_profile`), turns it into :class:`EngineDefaults`
+its fingerprint at start (:func:`find_profile`: the user's home first, then the profiles shipped in the
+package, ``semkv/profiles/``, measured for the embedded models), turns it into :class:`EngineDefaults`
 (:func:`defaults_from_profile`): the values used for every knob a request leaves unset, and
 :func:`check_request` logs a warning when a request asks for less than the profile.
 """
@@ -14,18 +15,20 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from semkv.request import DEFAULT_KV_BUDGET, GenerateRequest
 from semkv.reuse.options import BlendConfig, ReuseOptions, ShareConfig
-from semkv.sparse.base import SparsePolicy
-from semkv.sparse.registry import AUTO, validate_sparse
+from semkv.sparse.base import Budget, SparsePolicy
+from semkv.sparse.registry import AUTO, make_policy, validate_sparse
 
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 PROFILE_DIR = "profiles"
+SHIPPED_PACKAGE = "semkv.profiles"  # profiles measured for the embedded models, shipped as package data
 # the selector of profiles written before profiles recorded one (the blend default back then)
 LEGACY_BLEND_SELECTOR = "deviation"
 
@@ -35,25 +38,55 @@ class AutoSparse:
     """What ``sparse="auto"`` decodes with.
 
     policy: a policy name, or None for dense decoding. kv_budget: its budget. min_context: prompts
-    shorter than this decode dense (attention is too small a share of a step there for sparse decode
-    to pay). reason: why (shown in the generation's stats as ``sparse_auto``).
+    shorter than this decode dense (where the profile did not measure sparse decode safe, or attention is
+    too small a share of a step for it to pay). options: the policy's options (its dataclass fields, e.g.
+    the probe's ``split_at``). min_kept_tokens: the budget's floor in tokens
+    (``SparseConfig.min_kept_tokens``). min_new_tokens: requests allowing fewer new tokens decode dense
+    (sparse decode's set-up — the prompt's queries captured at prefill, the policy's preparation — is
+    paid back a few milliseconds per step, so a short answer would be slower than dense). reason: why
+    (shown in the generation's stats as ``sparse_auto``).
     """
 
     policy: str | None
     kv_budget: float | int = DEFAULT_KV_BUDGET
     min_context: int = 0
     reason: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    min_kept_tokens: int = 0
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         validate_sparse(self.policy, self.kv_budget)
         if self.policy == AUTO:
             raise ValueError("sparse_auto.policy must name a policy (or be null for dense), not 'auto'")
+        Budget(self.kv_budget, self.min_kept_tokens)  # a ValueError for a bad floor
+        if not isinstance(self.options, dict):
+            raise ValueError(f"sparse_auto.options must be a mapping, got {self.options!r}")
+        if self.policy is not None:
+            self.policy_object()  # a ValueError naming an unknown or bad option
         if (
             isinstance(self.min_context, bool)
             or not isinstance(self.min_context, int)
             or self.min_context < 0
         ):
             raise ValueError(f"sparse_auto.min_context must be an int >= 0, got {self.min_context!r}")
+        if (
+            isinstance(self.min_new_tokens, bool)
+            or not isinstance(self.min_new_tokens, int)
+            or self.min_new_tokens < 0
+        ):
+            raise ValueError(f"sparse_auto.min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
+
+    def policy_object(self) -> SparsePolicy | None:
+        """A fresh policy with the calibrated options (None for dense); lists in JSON become tuples."""
+        if self.policy is None:
+            return None
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in self.options.items()}
+        return make_policy(self.policy, **options)
+
+    def config(self) -> dict[str, Any]:
+        """The :class:`~semkv.sparse.decoder.SparseConfig` fields auto sets (the budget's floor)."""
+        return {"min_kept_tokens": self.min_kept_tokens} if self.min_kept_tokens else {}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AutoSparse:
@@ -64,6 +97,9 @@ class AutoSparse:
             kv_budget=float(budget) if isinstance(budget, float) else int(budget),
             min_context=int(data.get("min_context", 0)),
             reason=str(data.get("reason", "")),
+            options=data.get("options") or {},
+            min_kept_tokens=data.get("min_kept_tokens", 0),
+            min_new_tokens=data.get("min_new_tokens", 0),
         )
 
 
@@ -81,7 +117,8 @@ class Profile:
     blend_selector: the blend row selector the ratio was measured with (its ``describe()``), or None.
     kv_budget: sparse policy -> chosen budget. sparse_auto: what ``sparse="auto"`` resolves to (the best
     measured policy), or None when the profile did not measure it. path: the file it came from.
-    data: the whole JSON document (measurements included).
+    data: the whole JSON document (measurements included). shipped: one of the package's own profiles
+    (``semkv/profiles/``), not the user's.
     """
 
     fingerprint: str
@@ -93,9 +130,10 @@ class Profile:
     sparse_auto: AutoSparse | None = None
     path: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    shipped: bool = False
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], path: str = "") -> Profile:
+    def from_json(cls, data: dict[str, Any], path: str = "", shipped: bool = False) -> Profile:
         defaults = data.get("defaults", {})
         ratio = defaults.get("blend_recompute_ratio")
         selector = defaults.get("blend_selector")
@@ -114,6 +152,7 @@ class Profile:
             else None,
             path=path,
             data=data,
+            shipped=shipped,
         )
 
 
@@ -156,21 +195,39 @@ class EngineDefaults:
 
     def resolve_sparse(
         self, request: GenerateRequest, prompt_tokens: int
-    ) -> tuple[str | SparsePolicy | None, float | int, dict[str, Any]]:
-        """(policy, kv_budget, notes) a request decodes with: ``sparse="auto"`` becomes the profile's
-        best measured policy and budget (dense without a profile, or below its ``min_context``; the
-        notes say which and why); any other choice is the request's own, its budget per
-        :meth:`kv_budget_for`."""
+    ) -> tuple[str | SparsePolicy | None, float | int, dict[str, Any], dict[str, Any]]:
+        """(policy, kv_budget, notes, config) a request decodes with: ``sparse="auto"`` becomes the
+        profile's best measured policy (with its calibrated options), budget and floor (dense without a
+        profile, or below its ``min_context``; the notes say which and why; ``config``: the
+        :class:`~semkv.sparse.decoder.SparseConfig` fields it sets); any other choice is the request's
+        own, its budget per :meth:`kv_budget_for`."""
         if request.sparse != AUTO:
-            return request.sparse, self.kv_budget_for(request), {}
+            return request.sparse, self.kv_budget_for(request), {}, {}
         auto = self.sparse_auto
+        source = self._source()
         if auto.policy is not None and prompt_tokens < auto.min_context:
-            why = f"prompt of {prompt_tokens} tokens < {auto.min_context}: dense decoding"
-            return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}
+            why = (
+                f"prompt of {prompt_tokens} tokens < {auto.min_context}, below which {source} did not "
+                f"measure {auto.policy} safe: dense decoding"
+            )
+            return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}, {}
+        if auto.policy is not None and request.max_new_tokens < auto.min_new_tokens:
+            why = (
+                f"max_new_tokens {request.max_new_tokens} < {auto.min_new_tokens}: too few steps for "
+                f"{auto.policy}'s set-up to pay back ({source}): dense decoding"
+            )
+            return None, DEFAULT_KV_BUDGET, {"sparse_auto": why}, {}
         budget = request.kv_budget if request.kv_budget is not None else auto.kv_budget
         chosen = auto.policy or "dense"
         reason = auto.reason or f"the calibrated profile's best policy: {chosen}"
-        return auto.policy, budget, {"sparse_auto": f"{chosen} @ {budget}: {reason}"}
+        note = f"{chosen} @ {budget}: {reason}" + (f" ({source})" if self.profile is not None else "")
+        return auto.policy_object(), budget, {"sparse_auto": note}, auto.config()
+
+    def _source(self) -> str:
+        """Where the profile came from, for the notes."""
+        if self.profile is None:
+            return "no calibrated profile"
+        return "the shipped profile" if self.profile.shipped else "the calibrated profile"
 
 
 def defaults_from_profile(profile: Profile | None) -> EngineDefaults:
@@ -202,7 +259,27 @@ def profile_path(home: Path, fingerprint: str) -> Path:
 
 def load_profile(home: Path, fingerprint: str) -> Profile | None:
     """The profile of ``fingerprint`` under ``home``, or None (missing, unreadable or another version)."""
-    path = profile_path(home, fingerprint)
+    return _read_profile(profile_path(home, fingerprint), fingerprint)
+
+
+def shipped_profile_folder() -> Path:
+    """The package's folder of shipped profiles (``semkv/profiles/``)."""
+    return Path(str(resources.files(SHIPPED_PACKAGE)))
+
+
+def load_shipped_profile(fingerprint: str, folder: Path | None = None) -> Profile | None:
+    """The shipped profile of ``fingerprint`` (``semkv/profiles/<fingerprint>.json``), or None."""
+    path = (folder or shipped_profile_folder()) / f"{fingerprint}.json"
+    return _read_profile(path, fingerprint, shipped=True)
+
+
+def find_profile(home: Path, fingerprint: str, shipped_folder: Path | None = None) -> Profile | None:
+    """The user's profile of ``fingerprint`` (``semkv calibrate`` wrote it under ``home``), else the
+    package's shipped one, else None."""
+    return load_profile(home, fingerprint) or load_shipped_profile(fingerprint, shipped_folder)
+
+
+def _read_profile(path: Path, fingerprint: str, shipped: bool = False) -> Profile | None:
     if not path.is_file():
         return None
     try:
@@ -218,7 +295,7 @@ def load_profile(home: Path, fingerprint: str) -> Profile | None:
         log.warning("ignoring calibration profile %s: other version or fingerprint", path)
         return None
     try:
-        return Profile.from_json(data, str(path))
+        return Profile.from_json(data, str(path), shipped=shipped)
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("ignoring malformed calibration profile %s: %s", path, exc)
         return None

@@ -154,7 +154,8 @@ class ResolvedRequest:
     options: the reuse mode and the blend / share configs after the engine's defaults and profile,
         with the request's namespace.
     sparse_policy / kv_budget / sparse_notes: the sparse decode the request gets (``sparse="auto"``
-        resolved for this prompt's length; the notes say what auto chose and why).
+        resolved for this prompt's length; the notes say what auto chose and why); sparse_config: the
+        further ``SparseConfig`` fields it decodes with (auto's calibrated budget floor).
     prefix_keys: the chained keys of the prompt's full blocks of ``block_size`` tokens in its namespace,
         when it may reuse a stored prefix (empty under ``reuse="none"`` or without the prefix path).
     """
@@ -168,6 +169,7 @@ class ResolvedRequest:
     sparse_notes: dict[str, Any]
     prefix_keys: tuple[EntryKey, ...]
     block_size: int
+    sparse_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def namespace(self) -> Namespace:

@@ -183,6 +183,7 @@ def test_sparse_calibration_on_a_model_with_window_layers_chooses_auto(make_tiny
         techniques=("sparse",),
         sparse_context_tokens=512,
         auto_min_context=123,
+        auto_min_new_tokens=7,
     )
     profile = calibrate(engine, config, show_progress=False)
     for policy in ("probe", "keykey"):
@@ -190,6 +191,7 @@ def test_sparse_calibration_on_a_model_with_window_layers_chooses_auto(make_tiny
         assert full["n"] == 6 and full["kl_mean"] < 1e-6 and full["top1_agreement"] == 1.0
     auto = profile["defaults"]["sparse_auto"]
     assert auto["policy"] in ("probe", "keykey") and auto["min_context"] == 123
+    assert auto["min_new_tokens"] == 7
     assert auto["kv_budget"] == profile["defaults"]["kv_budget"][auto["policy"]]
     assert "sparse='auto'" in format_profile(profile)
 

@@ -49,9 +49,13 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suite",
-        choices=("needles", "ruler"),
+        choices=("needles", "ruler", "paperkeys"),
         default="needles",
-        help="needles: passkey / multi-fact in essays (plain text); ruler: RULER's 13 tasks as users send them",
+        help="needles: passkey / multi-fact in essays (plain text); ruler: RULER's 13 tasks as users send them; "
+        "paperkeys: a verification number in ACL papers (chat template), with sparse='auto' as whole requests",
+    )
+    p.add_argument(
+        "--paper-split", choices=("train", "val", "test"), default="train", help="paperkeys: aclsum split"
     )
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="context tokens")
     p.add_argument("--cases", type=int, default=30, help="cases per length (ruler: per task and length)")
@@ -91,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation-budget", type=float, default=0.1, help="budget of the Key-Key ablation")
     p.add_argument("--no-ablation", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--paper-new-tokens", type=int, default=16, help="paperkeys: new tokens at most")
     p.add_argument("--heatmaps", type=int, default=1000, help="at most this many heat maps per length")
     p.add_argument("--no-overlap", action="store_true", help="skip the oracle-overlap measure (faster)")
     p.add_argument("--seed", type=int, default=0)
@@ -535,6 +540,10 @@ def run(args: argparse.Namespace) -> int:
     from semkv.engine import Engine
 
     validate_labels([label for label, _, _ in _configs(args)] + list(args.speed_policies))
+    if args.suite == "paperkeys":
+        from semkv.bench import sparse_paperkeys
+
+        return sparse_paperkeys.run(args, _configs(args), make_decoder)
     if args.suite == "ruler" or args.e2e:
         from semkv.bench import sparse_ruler
 

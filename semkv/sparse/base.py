@@ -124,9 +124,12 @@ class Budget:
     """How many blocks a step attends to besides the sink and the window.
 
     kv_budget: a fraction of the context in (0, 1] or a token count (int >= 1).
+    min_tokens: never fewer than this many tokens (0: no floor). A fraction of a short context is a few
+        blocks, too few to hold what the question needs (``SparseConfig.min_kept_tokens``).
     """
 
     kv_budget: float | int = 0.1
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         value = self.kv_budget
@@ -137,11 +140,15 @@ class Budget:
                 raise ValueError(f"kv_budget as a token count must be >= 1, got {value}")
         elif not 0.0 < value <= 1.0:
             raise ValueError(f"kv_budget as a fraction must be in (0, 1], got {value}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_kept_tokens must be an int >= 0, got {self.min_tokens!r}")
 
     def blocks(self, context_tokens: int, block_size: int) -> int:
-        """Blocks selectable for a context of ``context_tokens`` tokens (rounded up)."""
+        """Blocks selectable for a context of ``context_tokens`` tokens (rounded up; at least
+        ``min_tokens`` tokens' worth)."""
         tokens = self.kv_budget if isinstance(self.kv_budget, int) else self.kv_budget * context_tokens
-        return max(1, -(-int(round(tokens)) // block_size))
+        tokens = max(int(round(tokens)), self.min_tokens)
+        return max(1, -(-tokens // block_size))
 
 
 def topk_blocks(scores: Tensor, candidates: Tensor, k: int) -> Tensor:

@@ -39,6 +39,10 @@ class SparseConfig:
     """Budget and always-kept rows, shared by every policy.
 
     kv_budget: candidate blocks per step, as a fraction of the context (0, 1] or a token count.
+    min_kept_tokens: the budget never keeps fewer than this many tokens of candidate blocks (0: no
+        floor). It protects short contexts, where a fraction is a handful of blocks: 10% of 1,024 tokens
+        is 7 blocks of 16. A budget covering every candidate decodes dense (``dense_when_covered``), so a
+        context whose candidate blocks hold at most ``min_kept_tokens`` tokens decodes exactly as dense.
     sink_blocks: leading blocks always attended (the attention sink).
     window_tokens: at least this many latest tokens always attended (rounded out to a block edge).
     resident_factor: fast-tier capacity in multiples of the largest budget (room for the
@@ -66,6 +70,7 @@ class SparseConfig:
     """
 
     kv_budget: float | int = 0.1
+    min_kept_tokens: int = 0
     sink_blocks: int = 1
     window_tokens: int = 32
     resident_factor: float = 1.0
@@ -77,7 +82,7 @@ class SparseConfig:
     budget: Budget = field(init=False)
 
     def __post_init__(self) -> None:
-        self.budget = Budget(self.kv_budget)
+        self.budget = Budget(self.kv_budget, self.min_kept_tokens)
         if self.sink_blocks < 0:
             raise ValueError(f"sink_blocks must be >= 0, got {self.sink_blocks}")
         if self.window_tokens < 1:
@@ -392,6 +397,9 @@ class SparseDecoder:
             "sparse_policy": self.policy.name,
             "sparse_steps": len(recs),
             "kv_budget": self.config.kv_budget,
+            **(
+                {"sparse_min_kept_tokens": self.config.min_kept_tokens} if self.config.min_kept_tokens else {}
+            ),
             "sparse_reselect_every": self.config.reselect_every,
             "blocks_selected_per_step": sum(selected) / len(selected),
             "blocks_loaded_first_step": loaded[0],

@@ -20,7 +20,10 @@ Two probes share the budget:
 Per block, layer and query head the estimate is a softmax over blocks; ``head_agg="max"`` scores a block
 by its best head in each layer (a retrieval head that alone looks at a needle counts fully), ``"mass"``
 by the heads' mean; layers (and question tokens) are averaged. ``groups`` splits the selecting layers
-into contiguous groups with a selection each; ``exact_layers`` scores chosen layers with their own
+into contiguous groups with a selection each; ``split_at`` splits them at chosen layers (a new probe, the
+first layer's current query with the previous step's queries of the layers above, selects for the layers
+from there up: where one shared choice cannot serve the upper layers, whose attention overlaps little with
+the lower layers' choice); ``exact_layers`` scores chosen layers with their own
 current query (below).
 
 ``exact_layers`` gives chosen layers their own selection, scored with their own current query just before
@@ -184,6 +187,11 @@ class ProbePolicy(SparsePolicy):
     groups: contiguous groups of selecting layers, each with its own selection (1: one per step, before
         layer 0, from the previous step's queries; more: each group chooses at its first layer, with that
         layer's current query and the previous step's queries of its other layers).
+    split_at: layers where a new layer group starts (before ``groups`` splits each group evenly): with
+        ``split_at=(11,)`` layers 0-10 share one choice and layers 11 and up another, chosen as layer 11
+        attends, scored with layer 11's query of this step and the previous step's queries of layers
+        12 and up. A layer that does not select starts its group at the next selecting layer; a layer the
+        model does not have is refused when decoding starts.
     chunk_keep: 0 scores every candidate block; k > 0 first scores chunks of CHUNK_BLOCKS blocks (their
         write-time mean keys) and then only the blocks of the best ``k x budget / CHUNK_BLOCKS`` chunks.
     successors: a block's score is at least this share of its predecessor's (0: off): text is read
@@ -221,6 +229,7 @@ class ProbePolicy(SparsePolicy):
     prompt_share: float = 0.5
     window: int = 16
     groups: int = 1
+    split_at: tuple[int, ...] = ()
     chunk_keep: float = 0.0
     successors: float = 0.0
     exact_layers: tuple[int, ...] = ()
@@ -255,6 +264,14 @@ class ProbePolicy(SparsePolicy):
         ):
             raise ValueError(f"exact_layers must be distinct layer indices >= 0, got {self.exact_layers!r}")
         self.exact_layers = tuple(sorted(layers))
+        splits = tuple(self.split_at) if isinstance(self.split_at, (tuple, list)) else None
+        if (
+            splits is None
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in splits)
+            or len(set(splits)) != len(splits)
+        ):
+            raise ValueError(f"split_at must be distinct layer indices >= 1, got {self.split_at!r}")
+        self.split_at = tuple(sorted(splits))
         if self.exact_keys and not self.exact_layers:
             raise ValueError("exact_keys needs exact_layers (the layers it scores with every key)")
         if (
@@ -275,8 +292,22 @@ class ProbePolicy(SparsePolicy):
             raise ValueError(f"rescore_stride must be an integer >= 1, got {self.rescore_stride!r}")
 
     def layer_groups(self, selecting: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-        """``groups`` even contiguous groups, each split around ``exact_layers`` (each one its own group):
-        with exact layers (3, 4) of 6 selecting layers, ((0, 1, 2), (3,), (4,), (5,))."""
+        """The selecting layers cut at ``split_at``, each part in ``groups`` even contiguous groups, each
+        split around ``exact_layers`` (each one its own group): with exact layers (3, 4) of 6 selecting
+        layers, ((0, 1, 2), (3,), (4,), (5,)); with ``split_at=(2,)`` and no exact layers, ((0, 1),
+        (2, 3, 4, 5))."""
+        parts: list[tuple[int, ...]] = []
+        for low, high in zip((0, *self.split_at), (*self.split_at, None), strict=True):
+            part = tuple(layer for layer in selecting if layer >= low and (high is None or layer < high))
+            if part:
+                parts.append(part)
+        out: list[tuple[int, ...]] = []
+        for part in parts:
+            out += self._split_part(part)
+        return tuple(out)
+
+    def _split_part(self, selecting: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """``groups`` even contiguous groups of ``selecting``, each split around ``exact_layers``."""
         count = max(1, min(self.groups, len(selecting)))
         bounds = [round(i * len(selecting) / count) for i in range(count + 1)]
         out: list[tuple[int, ...]] = []
@@ -290,15 +321,16 @@ class ProbePolicy(SparsePolicy):
                     run.append(layer)
             if run:
                 out.append(tuple(run))
-        return tuple(out)
+        return out
 
     def prepare(self, view: StepView) -> None:
         """The first step's probe (the prompt's last token's queries) and the question's block scores."""
         if view.prefill is None or not view.prefill.q:
             raise ValueError("probe needs the prompt's queries captured at prefill")
-        beyond = [i for i in self.exact_layers if i >= view.cache.num_layers]
-        if beyond:
-            raise ValueError(f"exact_layers {beyond} are not layers of a {view.cache.num_layers}-layer model")
+        for name, layers in (("exact_layers", self.exact_layers), ("split_at", self.split_at)):
+            beyond = [i for i in layers if i >= view.cache.num_layers]
+            if beyond:
+                raise ValueError(f"{name} {beyond} are not layers of a {view.cache.num_layers}-layer model")
         self._num_groups = len(self.layer_groups(view.selecting)) if view.selecting else 1
         self._queries = {layer: view.prefill.q[layer][:, -1] for layer in view.selecting}
         self._last_selected = []
