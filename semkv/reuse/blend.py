@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +65,14 @@ from semkv.models.runtime import RowSource, attention
 from semkv.prompt import PromptLayout, Segment, build_layout, separator_ids, tokenize_text
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode
-from semkv.reuse.prefix import load_prefix, lookup_prefix, store_prefix
+from semkv.reuse.prefix import (
+    PrefixKeys,
+    StoredPrefix,
+    find_prefix,
+    load_stored_prefix,
+    publish_prefix,
+    store_prefix,
+)
 from semkv.reuse.selection.base import ContextScaling, RowInfo, RowSelector
 from semkv.reuse.selective import QueryProbe, SelectiveRecompute, forward_fixed_rows
 from semkv.store.entry import KVEntry
@@ -207,11 +213,11 @@ def add_chunks(
 
 @dataclass
 class BlendPlan(Plan):
-    """prefix_tokens: rows loaded as exact prefix reuse (from ``prefix_blocks``).
-    chunks: per chunk segment of the layout (in order), its stored entry or None (a miss)."""
+    """prefix_tokens: rows loaded as exact prefix reuse (from ``prefix``: page-pool pages, then store
+    blocks). chunks: per chunk segment of the layout (in order), its stored entry or None (a miss)."""
 
     config: BlendConfig = field(default_factory=BlendConfig)
-    prefix_blocks: list[KVEntry] = field(default_factory=list)
+    prefix: StoredPrefix | None = None
     prefix_tokens: int = 0
     chunks: list[KVEntry | None] = field(default_factory=list)
     misses: int = 0
@@ -226,9 +232,9 @@ class BlendReuse:
         if not any(seg.token_ids for seg, _, _ in spans):
             return Refusal(self.name, "no context chunks")
         token_ids = layout.token_ids
-        blocks = lookup_prefix(ctx.store, ctx.block_size, token_ids, options.namespace)
-        prefix = min(len(blocks) * ctx.block_size, len(token_ids) - 1)
-        blocks = blocks[: math.ceil(prefix / ctx.block_size)] if prefix > 0 else []
+        keys = PrefixKeys.of_layout(ctx.fingerprint, ctx.block_size, layout, options.namespace)
+        stored_prefix = find_prefix(ctx, token_ids, keys, options.namespace)
+        prefix = min(stored_prefix.num_tokens, len(token_ids) - 1)
         sink = sink_tokens(ctx, config.sink)
         chunks: list[KVEntry | None] = []
         misses = 0
@@ -248,22 +254,24 @@ class BlendReuse:
         if loaded == 0 and (options.mode != self.name or misses == 0):
             # Under "auto" a blend without stored chunks reuses nothing; asked for explicitly, the
             # missing chunks are computed in place (exact) and stored after the first token.
+            stored_prefix.release()
             return Refusal(self.name, "no stored chunk beyond the exact prefix")
         reused = prefix + int(loaded * (1.0 - config.recompute_ratio))
-        return BlendPlan(self.name, layout, reused, config, blocks, max(prefix, 0), chunks, misses)
+        return BlendPlan(self.name, layout, reused, config, stored_prefix, max(prefix, 0), chunks, misses)
 
     def prefill(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> PrefillOutcome:
         assert isinstance(plan, BlendPlan)
         runtime, layout, config = ctx.runtime, plan.layout, plan.config
-        held = [b.key for b in plan.prefix_blocks] + [c.key for c in plan.chunks if c is not None]
+        held = [c.key for c in plan.chunks if c is not None]
         forced: list[bool] = []
         query: list[bool] = []
         offsets: list[int] = []
         pieces: list[RowSource] = []  # per segment after the prefix: its rows of a stored entry, or none
         with ctx.store.pinned(held):
             stored = []
-            if plan.prefix_tokens:
-                stored = load_prefix(ctx, cache, plan.prefix_blocks, plan.prefix_tokens)
+            pooled = 0 if plan.prefix is None else plan.prefix.pooled_blocks
+            if plan.prefix is not None:  # the pool's pages in bulk, then the store's blocks
+                stored = load_stored_prefix(ctx, cache, plan.prefix, plan.prefix_tokens)
             start = cache.length
             for seg, s, e, entry, at in _stored_rows(layout, plan.chunks, config.separator_in_chunk):
                 if e <= plan.prefix_tokens:
@@ -299,6 +307,7 @@ class BlendReuse:
         hits = sum(c is not None for c in plan.chunks)
         info: dict[str, Any] = {
             "prefix_tokens": plan.prefix_tokens,
+            "pooled_blocks": pooled,
             "chunk_hits": hits,
             "chunk_misses": plan.misses,
             "blend_cached_tokens": blended,
@@ -362,12 +371,18 @@ class BlendReuse:
             return
         exact_rows = int(outcome.info.get("exact_prefix_rows", 0))
         if exact_rows >= ctx.block_size:
+            keys = PrefixKeys.of_layout(ctx.fingerprint, ctx.block_size, layout, options.namespace)
+            exact = keys.first(exact_rows // ctx.block_size)
+            pool = ctx.runtime.page_pool
+            if pool is not None:
+                publish_prefix(pool, cache, layout.token_ids, exact, outcome.summaries)
             store_prefix(
                 ctx,
                 cache,
                 layout.token_ids[:exact_rows],
                 summaries=outcome.summaries,
                 namespace=options.namespace,
+                keys=exact,
             )
         if outcome.info.get("chunk_misses"):
             sink = sink_tokens(ctx, options.blend.sink)

@@ -62,6 +62,10 @@ class PrefixKeys:
             tuple(prefix_digests(fingerprint, block_size, token_ids, namespace)),
         )
 
+    def first(self, count: int) -> PrefixKeys:
+        """The keys of the first ``count`` blocks (a prefix of a prompt has its first keys)."""
+        return PrefixKeys(self.keys[:count], self.digests[:count])
+
     @classmethod
     def of_layout(
         cls, fingerprint: str, block_size: int, layout: PromptLayout, namespace: Namespace | None

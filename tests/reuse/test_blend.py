@@ -153,6 +153,25 @@ def test_auto_prefix_hit_and_on_the_fly_chunks(make_tiny_engine, tokenizer):
     torch.testing.assert_close(one, full, atol=1e-4, rtol=0)
 
 
+def test_a_blends_exact_prefix_comes_from_the_page_pool(make_tiny_engine, tokenizer):
+    """Injected: a full prefill of [A, B] keeps its blocks in the page pool and the store; the store's
+    copy is then lost. Must happen: a blend of [A, C] loads its exact prefix (A) from the pool's pages,
+    with the same first-token logits as loading it from the store, and after its first token the blend's
+    exact rows are kept as pages for the next request."""
+    engine = _engine(make_tiny_engine, tokenizer, "llama")
+    engine.add_chunks(DOCS)
+    _first_logits(engine, [DOCS[0], DOCS[1]], reuse="none", store_prompt=True)
+    from_pool, pooled = _first_logits(engine, [DOCS[0], DOCS[2]], reuse="blend")
+    assert pooled["prefix_tokens"] > 0 and pooled["pooled_blocks"] * 4 >= pooled["prefix_tokens"]
+    engine.drop_page_pool()
+    from_store, stored = _first_logits(engine, [DOCS[0], DOCS[2]], reuse="blend")
+    assert stored["pooled_blocks"] == 0 and stored["prefix_tokens"] == pooled["prefix_tokens"]
+    assert torch.equal(from_pool, from_store)
+    _first_logits(engine, [DOCS[0], DOCS[2]], reuse="blend", store_prompt=True)  # keeps its exact rows
+    _, again = _first_logits(engine, [DOCS[0], DOCS[2]], reuse="blend")
+    assert again["pooled_blocks"] > 0
+
+
 def test_bad_input(make_tiny_engine, tokenizer):
     engine = _engine(make_tiny_engine, tokenizer, "llama", layers=2)
     for bad in (-0.1, 1.5, True, "0.2"):
