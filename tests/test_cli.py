@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from semkv.config import StoreConfig
+from semkv.config import EngineConfig, StoreConfig
 from semkv.engine import Engine
 from semkv.prompt import build_layout
 from tests.conftest import tiny_hf_model
@@ -75,3 +75,23 @@ def test_generate_sparse_reselection_period(tmp_path, checkpoint, capsys):
     assert json.loads(err[err.index("{") :])["sparse_reselect_every"] == 2
     code, _, err = run_cli([*argv, "--sparse-reselect-every", "0"], capsys)
     assert code != 0 and "sparse_reselect_every" in err
+
+
+def test_page_pool_size_reaches_the_engine_and_bad_sizes_are_refused():
+    """``--page-pool-mib N`` becomes the engine's ``page_pool_bytes`` (N MiB; 0 turns the pool off); a
+    negative or non-integer size is an argparse error naming the value, before any model loads."""
+    from semkv.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--page-pool-mib", "0"])
+    assert args.page_pool_mib == 0
+    args = build_parser().parse_args(["generate", "hi", "--page-pool-mib", "64"])
+    assert args.page_pool_mib == 64
+    for bad in ("-1", "1.5", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["generate", "hi", "--page-pool-mib", bad])
+
+
+def test_page_pool_bytes_is_validated():
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="page_pool_bytes"):
+            EngineConfig(page_pool_bytes=bad)
