@@ -166,8 +166,10 @@ def test_bad_input():
 
 @pytest.mark.slow
 def test_real_loop_is_repaired(make_smol_engine):
-    """SmolLM2, HotpotQA test position 40 (~4K tokens): blend ``query`` at 0.15 answers "Michele Marie Marie
-    Marie ..." without repair; with it, full prefill's answer."""
+    """SmolLM2, HotpotQA test position 40 (~4K tokens): blend ``query`` at 0.15 once answered "Michele Marie
+    Marie Marie ..." there (full prefill: "Michele Marie Bachmann ..."); whether it still does depends on
+    the numerics of the day, so the loop is teacher-forced into the blended answer. With repair on, the
+    finished answer is full prefill's."""
     require_embedded("smollm2-135m")
     from semkv.bench.blend import hotpot_workload
 
@@ -176,8 +178,11 @@ def test_real_loop_is_repaired(make_smol_engine):
     engine.add_chunks(case.chunks, BlendConfig())
     ask = dict(messages=case.messages, chunks=case.chunks, max_new_tokens=20, store_prompt=False)
     full = engine.generate(reuse="none", **ask)
-    looping = engine.generate(reuse="blend", blend=BlendConfig(0.15, "query"), repair_loops=False, **ask)
-    repaired = engine.generate(reuse="blend", blend=BlendConfig(0.15, "query"), **ask)
-    assert "Marie Marie Marie" in looping.text and "loop_repair" not in looping.stats
-    assert repaired.stats["loop_repair"]["period"] == 1
-    assert repaired.text == full.text
+    seq = engine.prefill(GenerateRequest(reuse="blend", blend=BlendConfig(0.15, "query"), **ask))
+    loop = engine.tokenizer("Michele Marie Marie Marie Marie", add_special_tokens=False)["input_ids"]
+    for token in loop[:-1]:
+        engine.decode_step(seq, feed=token)
+    seq.tokens[-1] = loop[-1]
+    assert engine.repair_loop(seq) and seq.notes["loop_repair"]["period"] == 1
+    engine.decode(seq)
+    assert engine.tokenizer.decode(seq.output_ids(), skip_special_tokens=True) == full.text

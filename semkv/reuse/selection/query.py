@@ -55,7 +55,7 @@ class QuerySelector(RowSelector):
     needs_probe: ClassVar[bool] = True
 
     layers: tuple[int, ...] | None = None
-    global_layers: int | None = None
+    global_layers: int | None = 8
     depth: float = 1.0
     keep_probe_rows: bool = False
 
