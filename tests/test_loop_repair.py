@@ -107,27 +107,33 @@ def test_blend_repetition_rolls_back_to_exact_kv(make_tiny_engine, tokenizer):
 
 
 def test_streamed_tokens_are_kept_and_the_pattern_not_continued(make_tiny_engine, tokenizer):
-    """Ten tokens "A (B C D) x 3" already reached a client when B is sampled: only B is dropped, and
-    the next token is full prefill's choice with B excluded (B would start a third copy). On this tiny model
-    full prefill would not pick B there anyway, so what this checks is the rollback and the exact logits,
-    not the exclusion itself."""
+    """A client streams "A (B C D) x 3" as it is decoded: the forming repetition (the second and third copies)
+    is held back, so the client holds "A B C D" when the third copy completes; the repair keeps exactly
+    that, and the next token is full prefill's choice with B excluded (B would start a second copy). On
+    this tiny model full prefill would not pick B there anyway, so what this checks is the hold, the
+    rollback and the exact logits, not the exclusion itself."""
     blended, exact = engines(make_tiny_engine, tokenizer)
-    seq = forced(blended, [A, B, C, D, B, C, D, B, C, D], reuse="blend", blend=BlendConfig(0.15, "query"))
-    seq.emit_pending(lambda token: True)
-    assert seq.delivered == 10
-    blended.decode_step(seq, feed=D)  # D goes into the cache; then B "is sampled":
-    seq.tokens[-1] = B
-    cache_rows = seq.cache.length
+    seq = forced(blended, [A], reuse="blend", blend=BlendConfig(0.15, "query"))
+    received: list[int] = []
+    seq.emit_pending(received.append)
+    for token in [B, C, D, B, C, D, B, C]:
+        blended.decode_step(seq, feed=seq.tokens[-1])
+        seq.tokens[-1] = token
+        seq.emit_pending(received.append)
+    blended.decode_step(seq, feed=seq.tokens[-1])
+    seq.tokens[-1] = D  # the third copy completes: "sampled"
+    assert received == [A, B, C, D] == seq.tokens[: seq.delivered]
     assert blended.repair_loop(seq)
-    assert seq.tokens[:10] == [A, B, C, D, B, C, D, B, C, D] and len(seq.tokens) == 11
-    reference = forced(exact, [A, B, C, D, B, C, D, B, C, D], reuse="none")
+    assert seq.tokens[:4] == [A, B, C, D] and len(seq.tokens) == 5
+    reference = forced(exact, [A, B, C, D], reuse="none")
     logits = (
         exact.runtime.decode(reference.cache, D, None).float().clone()
     )  # full prefill's next-token logits
     logits[B] = float("-inf")
-    assert seq.tokens[10] == int(torch.argmax(logits)) != B  # from the exact KV, B excluded
-    assert seq.cache.length == cache_rows
-    assert seq.notes["loop_repair"]["dropped_tokens"] == 1
+    assert seq.tokens[4] == int(torch.argmax(logits)) != B  # from the exact KV, B excluded
+    assert seq.notes["loop_repair"]["dropped_tokens"] == 6
+    seq.emit_pending(received.append)
+    assert received == seq.tokens  # the client's stream is the answer
 
 
 def test_repetition_at_the_token_limit_is_repaired_and_decoding_goes_on(make_tiny_engine, tokenizer):
