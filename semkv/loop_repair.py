@@ -60,7 +60,7 @@ MIN_HELD = 1  # a tail repeating this many tokens of an earlier stretch is held 
 class Repetition:
     """A repeated tail: ``period`` tokens long, its second copy starting at ``onset`` (tokens before it are
     the answer up to the end of the pattern's first copy). A repair bans the token that continues the
-    pattern when the client already holds tokens past ``onset``."""
+    pattern when the client already holds the first copy (tokens up to ``onset``) or more."""
 
     period: int
     onset: int
@@ -102,9 +102,9 @@ def held_tokens(seq: Sequence) -> int:
     the sequence finished or when it cannot be repaired. Delivered tokens are the client's and are never
     rolled back, so without this a streamed loop (or a server's, whose steps hand every token on) could
     only be repaired from its third copy on."""
-    if (
-        seq.outcome is None or seq.finished or not wants_repair(seq)
-    ):  # no outcome: a scheduler test's stand-in
+    if seq.outcome is None:  # a stand-in without a prefill (the scheduler's tests)
+        return 0
+    if seq.finished or not wants_repair(seq):
         return 0
     return forming_repetition(seq.tokens)
 
