@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semkv.loop_repair import Repetition, find_repetition
+from semkv.loop_repair import Repetition, find_repetition, forming_repetition
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from tests.conftest import require_embedded, tiny_hf_model
@@ -44,6 +44,21 @@ A, B, C, D = 1000, 1001, 1002, 1003
 )
 def test_find_repetition(tokens, expected):
     assert find_repetition(tokens) == expected
+
+
+@pytest.mark.parametrize(
+    ("tokens", "held"),
+    [
+        ([A, B, C, D], 0),
+        ([A, B, C, D, B], 1),  # B repeats the token 3 back: a second copy may be starting
+        ([A, B, C, D, B, C], 2),
+        ([A, B, C, D, B, C, D, B], 5),
+        ([A, C, C], 1),
+        ([], 0),
+    ],
+)
+def test_forming_repetition(tokens, held):
+    assert forming_repetition(tokens) == held
 
 
 def test_find_repetition_period_bound():
