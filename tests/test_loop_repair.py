@@ -52,7 +52,7 @@ def test_find_repetition(tokens, expected):
         ([A, B, C, D], 0),
         ([A, B, C, D, B], 1),  # B repeats the token 3 back: a second copy may be starting
         ([A, B, C, D, B, C], 2),
-        ([A, B, C, D, B, C, D, B], 5),
+        ([A, B, C, D, B, C, D, B], 4),  # all after the first copy "B C D"
         ([A, C, C], 1),
         ([], 0),
     ],
