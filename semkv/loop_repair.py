@@ -14,8 +14,11 @@ one; two copies are often an echo full prefill writes too, "The answer is: 2015 
 one shows up, the sequence is repaired once (:func:`repair`): every token no client has received yet is
 dropped (all of them for a request that does not stream), every cache row after the exact prefix is
 recomputed in place over the kept tokens (the KV full prefill would have there), and decoding goes on from
-the recomputed logits, exactly. If part of the later copies was already streamed, the token that would
-continue the pattern is excluded from the next sample.
+the recomputed logits, exactly. If the client already holds the pattern's first copy (or more), the token
+that would continue the pattern is excluded from the next sample. A repetition that is forming (tokens
+repeating the ones at most ``MAX_PERIOD`` before them) is held back from a streaming client until it
+breaks or the answer ends (:func:`held_tokens`), so that a streamed loop can be rolled back to its first
+copy.
 
 Why back to what the client has, not to the pattern's first copy (as first written). The tokens before
 the loop came from the same inexact KV as the loop, and are often already off full prefill's path; the
@@ -37,25 +40,27 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from semkv.models.runtime import Runtime
-from semkv.sequence import Sequence
+if TYPE_CHECKING:  # semkv.sequence imports this module (held_tokens)
+    from semkv.models.runtime import Runtime
+    from semkv.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 MAX_PERIOD = 8  # longest repeated pattern looked for (tokens)
 MIN_COPIES = 3  # a loop, as the bench counts one (a 3-gram 3+ times); two copies are an echo ("2015\n\n2015")
 MIN_SPAN = 4  # the repeated tail must span at least this many tokens ("Marie" x 4)
+MIN_HELD = 1  # a tail repeating this many tokens of an earlier stretch is held back from a streaming client
 
 
 @dataclass(frozen=True)
 class Repetition:
     """A repeated tail: ``period`` tokens long, its second copy starting at ``onset`` (tokens before it are
     the answer up to the end of the pattern's first copy). A repair bans the token that continues the
-    pattern when the client already holds tokens past ``onset``."""
+    pattern when the client already holds the first copy (tokens up to ``onset``) or more."""
 
     period: int
     onset: int
@@ -76,6 +81,32 @@ def find_repetition(
         if all(tail[i] == tail[i % period] for i in range(period, span)):
             return Repetition(period, len(tokens) - span + period)
     return None
+
+
+def forming_repetition(tokens: list[int], max_period: int = MAX_PERIOD, min_held: int = MIN_HELD) -> int:
+    """How many tokens at the end of ``tokens`` repeat the ones a period p <= ``max_period`` before them
+    (the longest such run over every p), if at least ``min_held``; else 0. E.g. [a, b, c, d, b, c] -> 2
+    ("b c" repeat p = 3 back); [a, b, c, d] -> 0."""
+    held = 0
+    for period in range(1, max_period + 1):
+        run = 0
+        while run + period < len(tokens) and tokens[-1 - run] == tokens[-1 - run - period]:
+            run += 1
+        held = max(held, run)
+    return held if held >= min_held else 0
+
+
+def held_tokens(seq: Sequence) -> int:
+    """Tokens at the end of ``seq``'s answer not to hand to a callback yet (:meth:`Sequence.emit_pending`):
+    a repetition forming in an answer loop repair may still roll back (:func:`forming_repetition`); 0 once
+    the sequence finished or when it cannot be repaired. Delivered tokens are the client's and are never
+    rolled back, so without this a streamed loop (or a server's, whose steps hand every token on) could
+    only be repaired from its third copy on."""
+    if seq.outcome is None:  # a stand-in without a prefill (the scheduler's tests)
+        return 0
+    if seq.finished or not wants_repair(seq):
+        return 0
+    return forming_repetition(seq.tokens)
 
 
 def wants_repair(seq: Sequence) -> bool:
@@ -105,7 +136,7 @@ def repair(runtime: Runtime, seq: Sequence) -> bool:
         return False
     started = time.perf_counter()
     keep = min(seq.delivered, len(seq.tokens) - 1)  # the last token is not in the cache yet
-    banned = seq.tokens[keep - found.period] if keep > found.onset else None
+    banned = seq.tokens[keep - found.period] if keep >= found.onset else None
     cache = seq.cache
     cache.truncate(seq.prompt_tokens + keep)
     # at least the last row is recomputed: its logits give the next token

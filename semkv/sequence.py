@@ -190,11 +190,15 @@ class Sequence:
     # -- streaming ---------------------------------------------------------------------------------
     def emit_pending(self, on_token: TokenCallback | None) -> None:
         """Hand the tokens not yet emitted to ``on_token`` (a final EOS is not handed over); a callback
-        returning False stops the sequence there."""
+        returning False stops the sequence there. A repetition forming at the end of an answer that loop
+        repair may roll back is held until it breaks or the answer ends (:func:`semkv.loop_repair.held_tokens`)."""
         if on_token is None:
             self.emitted = len(self.tokens)
             return
-        while self.emitted < len(self.tokens) and not self.stop_requested:
+        from semkv.loop_repair import held_tokens  # loop_repair reads Sequence
+
+        limit = len(self.tokens) - held_tokens(self)
+        while self.emitted < limit and not self.stop_requested:
             token = self.tokens[self.emitted]
             self.emitted += 1
             self.delivered = self.emitted

@@ -48,3 +48,20 @@ def test_score_takes_the_best_answer_and_counts_a_reply_holding_one():
     assert held["em"] == 0.0 and 0 < held["f1"] < 1 and held["correct"] == 1.0
     assert score_squad("Vikings", answers) == {"em": 0.0, "f1": 0.0, "correct": 0.0}
     assert score_squad("Frances", answers)["correct"] == 0.0  # whole words only
+
+
+def test_rows_run_and_count_correct_answers(make_tiny_engine, tokenizer):
+    """Two short SQuAD cases through full prefill and the default blend row on a tiny llama: every record is
+    scored with ``correct`` and the summary counts them (the column the second-format check reports)."""
+    from semkv.bench.blend import RowSpec, blend_row, run_cases, summarise_all
+    from semkv.reuse.options import BlendConfig
+
+    engine = make_tiny_engine("llama")
+    workload = squad_workload(tokenizer, "dev", 2, 0, 400)
+    specs = [RowSpec("full prefill", "none"), blend_row("query", 0.15, BlendConfig())]
+    results = run_cases(engine, workload, workload.cases, specs, 4)
+    rows = summarise_all("squad", [s.label for s in specs], results)
+    assert [r["n"] for r in rows] == [2, 2]
+    for row, label in zip(rows, results, strict=True):
+        assert row["correct"] == sum(r["correct"] for r in results[label])
+        assert all(r["correct"] in (0.0, 1.0) for r in results[label])

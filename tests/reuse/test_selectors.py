@@ -442,15 +442,19 @@ def test_bad_selector(spec, field, make_tiny_engine, tokenizer):
 
 
 def test_probe_layers_skip_windowed_layers():
-    """query probes the global layers of the first ``depth`` of the model, or the first global layer."""
+    """query probes the first 8 global layers by default; with ``global_layers`` None, the global layers of
+    the first ``depth`` of the model, or the first global layer."""
     gemma_like = [512 if (i + 1) % 6 else None for i in range(18)]  # global layers 5, 11, 17
-    assert make_selector("query").probe_layers(gemma_like) == (5, 11, 17)  # default depth 1.0
-    assert make_selector({"name": "query", "depth": 0.5}).probe_layers(gemma_like) == (5,)
-    assert make_selector({"name": "query", "depth": 0.1}).probe_layers(gemma_like) == (5,)
+    by_depth = {"name": "query", "global_layers": None}
+    assert make_selector("query").probe_layers(gemma_like) == (5, 11, 17)  # default: 8 global layers
+    assert make_selector(by_depth).probe_layers(gemma_like) == (5, 11, 17)  # depth 1.0
+    assert make_selector({**by_depth, "depth": 0.5}).probe_layers(gemma_like) == (5,)
+    assert make_selector({**by_depth, "depth": 0.1}).probe_layers(gemma_like) == (5,)
     assert make_selector({"name": "query", "layers": [2, 11, 40]}).probe_layers(gemma_like) == (11,)
     dense = [None] * 30
-    assert make_selector({"name": "query", "depth": 0.5}).probe_layers(dense) == tuple(range(1, 16))
-    assert make_selector("query").probe_layers(dense) == tuple(range(1, 30))
+    assert make_selector({**by_depth, "depth": 0.5}).probe_layers(dense) == tuple(range(1, 16))
+    assert make_selector(by_depth).probe_layers(dense) == tuple(range(1, 30))
+    assert make_selector("query").probe_layers(dense) == tuple(range(1, 9))
 
 
 def test_probe_global_layers_count_only_global_layers():
