@@ -47,3 +47,25 @@ def test_summary_reports_paired_ratios_and_checks_targets() -> None:
     assert "first-hit TTFT 4.00x" in text and "target >= 5x: NOT met" in text  # 10% edits
     assert "target >= 4x: met" in text  # 30% edits
     assert "first hit / repeated hit 1.50x" in text and "target <= 1.3: NOT met" in text
+
+
+def test_serve_target_on_a_tiny_engine(make_tiny_engine, tokenizer) -> None:
+    """The workload end to end on a tiny random model: a fresh namespace per target, share taken on the first
+    hit, every timing and quality field filled."""
+    from semkv.bench.share_first import serve_target
+    from semkv.evaluation.essays import haystack
+
+    engine = make_tiny_engine("llama")
+    doc = haystack(tokenizer, 300, start_essay=3)
+    target = {
+        "paper": "p",
+        "edit_pct": 10,
+        "place": "before",
+        "reference": "Summarise the following text.\n\n" + doc,
+        "target": "Please write a brief summary of this document.\n\n" + doc,
+    }
+    row = serve_target(engine, target, "salt-a", max_new_tokens=3, repeats=2)
+    assert row["path"] == "share" and row["repeat_path"] == "share"
+    assert row["ttft_full"] > 0 and row["ttft_share_first"] > 0 and row["ttft_share_repeat"] > 0
+    assert row["first_over_repeat"] == pytest.approx(row["ttft_share_first"] / row["ttft_share_repeat"])
+    assert 0.0 <= row["rougeL_vs_full"] <= 1.0
