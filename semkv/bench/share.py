@@ -171,6 +171,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--index-queries", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 paper, short variant, edits 0,30, 16 tokens")
+    parser.add_argument(
+        "--first-hit",
+        action="store_true",
+        help="the first-hit workload instead of the sweep: per (paper, edit) a fresh reference (its own cache "
+        "salt), then share's first hit on it, full prefill, and repeated hits; paired intervals and the "
+        "issue's targets (use --long-tokens 2000 --edits 10,30)",
+    )
+    parser.add_argument("--paper-offset", type=int, default=0, help="first paper of the split used")
+    parser.add_argument("--repeats", type=int, default=2, help="first-hit workload: repeated hits timed")
+    parser.add_argument(
+        "--warmup-papers",
+        type=int,
+        default=1,
+        help="first-hit workload: papers of the train split served (not measured) before the measured ones",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="first-hit workload: profile one first and one repeated hit"
+    )
 
 
 def _targets(args, tokenizer, papers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -211,6 +229,10 @@ def run(args) -> int:
     from semkv.engine import Engine
     from semkv.reuse.options import ShareConfig
 
+    if args.first_hit:
+        from semkv.bench.share_first import run_first_hit
+
+        return run_first_hit(args)
     if args.quick:
         args.papers, args.variant, args.edits, args.max_new_tokens = 1, "short", "0,30", 16
         args.index_sizes, args.index_queries = "1000", 50
