@@ -78,7 +78,7 @@ class CalibrationConfig:
     auto_min_context: prompts shorter than this decode dense under ``sparse="auto"`` (at 2K tokens
         attention is too small a share of a step for sparse decode to pay: ``semkv bench sparse --e2e``).
     auto_min_new_tokens: requests allowing fewer new tokens decode dense under ``sparse="auto"`` (the
-        probe's set-up, ~0.1 s at 4K on SmolLM2, is paid back ~7 ms a step).
+        policy's set-up is paid back a few milliseconds a step: docs/benchmarks.md, "Sparse decode").
     seed: seeds the cases.
     """
 
