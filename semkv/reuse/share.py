@@ -373,9 +373,9 @@ def bucketed_schedule(ratios: dict[int, float], forced: int, total: int, bucket:
     computes a whole number of ``bucket`` rows (forced rows included), or every row.
 
     Why: a layer's matmuls take one shape per row count, and the CPU's matmul library (oneDNN) builds a
-    kernel for each new shape on its first use (~0.1-1 ms each, per projection and attention product).
+    kernel for each new shape on its first use (per projection and attention product).
     Counts that differ from prompt to prompt made a share hit on a new reference pay that at every layer
-    (measured: forward 0.46 s on a first hit vs 0.31 s on the same prompt again); counts rounded up to
+    (docs/benchmarks.md); counts rounded up to
     whole buckets recur, so a first hit costs what a repeated one does. The extra rows are the next-best by
     the selector's score: more recompute, never less.
     """
