@@ -42,7 +42,6 @@ tokens are left out of the cache instead of being recomputed.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,7 +53,6 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
-from semkv.models.kernels import GEMM_QUERY_ROWS
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.lsh import (
@@ -75,7 +73,6 @@ log = logging.getLogger(__name__)
 
 UNMATCHED, ALIGNED, SAME_TOKEN, SIGNATURE = 0, 1, 2, 3
 LSH_EXTRA = "lsh"
-ROW_BUCKET = GEMM_QUERY_ROWS  # rows a share recompute computes per layer are a multiple of this
 MAX_HASHERS = 4
 NAMESPACES_DIR = "ns"
 
@@ -360,37 +357,6 @@ def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
     return out
 
 
-def bucketed_start(n: int, prefix: int, bucket: int) -> int:
-    """The first row a share recompute computes from layer 0 on: at most ``prefix`` (the exact leading
-    rows need no compute), moved earlier so that ``n - start`` is a multiple of ``bucket`` (or 0)."""
-    if bucket <= 1:
-        return prefix
-    return max(0, n - math.ceil((n - prefix) / bucket) * bucket)
-
-
-def bucketed_schedule(ratios: dict[int, float], forced: int, total: int, bucket: int) -> dict[int, float]:
-    """``ratios`` (layer -> fraction of the reusable rows recomputed there) raised so that every layer
-    computes a whole number of ``bucket`` rows (forced rows included), or every row.
-
-    Why: a layer's matmuls take one shape per row count, and the CPU's matmul library (oneDNN) builds a
-    kernel for each new shape on its first use (per projection and attention product).
-    Counts that differ from prompt to prompt made a share hit on a new reference pay that at every layer
-    (docs/benchmarks.md); counts rounded up to
-    whole buckets recur, so a first hit costs what a repeated one does. The extra rows are the next-best by
-    the selector's score: more recompute, never less.
-    """
-    reusable = total - forced
-    if bucket <= 1 or reusable <= 0:
-        return dict(ratios)
-    out = {}
-    for layer, ratio in ratios.items():
-        budget = min(reusable, math.ceil(ratio * reusable))
-        rows = min(total, math.ceil((forced + budget) / bucket) * bucket)
-        # just under rows - forced reusable rows: ceil(ratio * reusable) gives exactly that count back
-        out[layer] = min(1.0, max(0.0, (rows - forced - 0.5) / reusable))
-    return out
-
-
 # -- the path ------------------------------------------------------------------------------------------
 @dataclass
 class SharePlan(Plan):
@@ -601,21 +567,18 @@ class SharePath:
         token_ids = plan.layout.token_ids
         n = len(token_ids)
         prefix = min(match.exact_prefix, n - 1)
-        # Rows computed from layer 0 on start at ``first``: the exact prefix's last rows join them so their
-        # count is a whole number of row buckets (their reused KV is exact either way).
-        first = bucketed_start(n, prefix, ROW_BUCKET)
         device = ctx.runtime.device
         with ctx.store.pinned([ref.key]):
-            if first:
+            if prefix:
                 ctx.runtime.load_rows(
                     cache,
-                    ref.k[:, :, :first],
-                    ref.v[:, :, :first],
-                    ctx.runtime.positions(0, first),
-                    token_ids[:first],
+                    ref.k[:, :, :prefix],
+                    ref.v[:, :, :prefix],
+                    ctx.runtime.positions(0, prefix),
+                    token_ids[:prefix],
                 )
-            rows = torch.arange(first, n, device="cpu")  # host offsets, matched on the host
-            source = torch.from_numpy(match.source[first:])
+            rows = torch.arange(prefix, n, device="cpu")  # host offsets, matched on the host
+            source = torch.from_numpy(match.source[prefix:])
             if config.unmatched == "drop":
                 keep = source >= 0
                 keep[-1] = True
@@ -625,27 +588,25 @@ class SharePath:
             start = ctx.runtime.load_rows(cache, k, v, rows.to(device), [token_ids[int(i)] for i in rows])
         forced = source < 0
         if config.scattered == "recompute":
-            kinds = torch.from_numpy(match.kind[first:]).to(torch.long)[rows - first]
+            kinds = torch.from_numpy(match.kind[prefix:]).to(torch.long)[rows - prefix]
             forced |= kinds != ALIGNED
         forced[-config.recompute_last :] = True
-        schedule = bucketed_schedule(
-            config.ratios(ctx.runtime.num_layers), int(forced.sum()), forced.numel(), ROW_BUCKET
+        selector = deviation_recompute(
+            forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on
         )
-        selector = deviation_recompute(forced.to(device), schedule, config.deviation_on)
         logits = ctx.runtime.forward_rows(cache, start, selector)
-        return self._outcome(logits, plan, selector, first, rows.numel(), ctx.runtime.num_layers)
+        return self._outcome(logits, plan, selector, prefix, rows.numel(), ctx.runtime.num_layers)
 
     def _outcome(
         self,
         logits: Tensor,
         plan: SharePlan,
         selector: SelectiveRecompute,
-        first: int,
+        prefix: int,
         computed: int,
         num_layers: int,
     ) -> PrefillOutcome:
-        """first: the first row computed from layer 0 on; computed: rows that entered forward_rows (all of
-        them pass layer 0)."""
+        """computed: rows that entered forward_rows (all of them pass layer 0)."""
         n = plan.match.num_tokens
         kept = [computed]
         for layer in range(1, num_layers):
@@ -662,10 +623,9 @@ class SharePath:
             "share_match_rate": match.match_rate,
             "share_aligned_rate": match.aligned_rate,
             "share_matches": match.counts(),
-            "share_exact_prefix": min(match.exact_prefix, n - 1),
-            "share_first_row": first,
+            "share_exact_prefix": prefix,
             "share_forced": int(selector.forced.sum()),
-            "share_dropped": n - first - computed,
+            "share_dropped": n - prefix - computed,
             "share_layer_rows": kept,
             "share_recompute_fraction": sum(kept) / (num_layers * n),
             "share_lookup_ms": 1000 * plan.lookup_s,

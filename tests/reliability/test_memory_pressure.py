@@ -219,6 +219,7 @@ def test_pinned_blocks_survive_a_flood_during_prefill(tmp_path, tokenizer, monke
     engine = engine_at(tmp_path / "home", tokenizer, disk=False, memory_bytes=40 * 2048)
     prompt = PROMPTS[0]
     first = engine.generate(prompt, max_new_tokens=1)
+    engine.drop_page_pool()  # the hit must come from the store's memory tier, under pressure
     memory = engine.store.memory
     real_load = engine.runtime.load_rows
     seen = {}

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import semkv.reuse.share as share_module
 from semkv.evaluation.essays import haystack
 from semkv.evaluation.metrics import logit_kl
 from semkv.models.adapters import apply_rope
@@ -160,8 +159,7 @@ def test_default_schedule_reuses_and_reports(engine4, doc):
         and s["share_reference"] == prompt_key(engine4.fingerprint, _ids(engine4, reference))[:16]
     )
     rows = s["share_layer_rows"]
-    assert rows[0] == s["prompt_tokens"] - s["share_first_row"] and rows[-1] < rows[0] / 2
-    assert s["share_first_row"] <= s["share_exact_prefix"]
+    assert rows[0] == s["prompt_tokens"] - s["share_exact_prefix"] and rows[-1] < rows[0] / 2
     assert s["recomputed_tokens"] < s["prompt_tokens"] / 2 and s["share_forced"] >= 1
     assert not torch.equal(shared.first_logits, full.first_logits)  # approximate: the reuse took effect
 
@@ -196,11 +194,9 @@ def test_unrelated_prompt_is_refused_and_exactly_prefilled(make_tiny_engine, doc
     torch.testing.assert_close(got.first_logits, full.first_logits, atol=1e-5, rtol=1e-5)
 
 
-def test_rearranged_kv_lands_at_new_positions(engine4, doc, monkeypatch):
-    """With nothing recomputed after layer 1 (and no row buckets, which would add rows to fill them),
-    every reused row from layer 2 on holds the reference's pre-RoPE K/V of its matched token, rotated to
-    the row's new position."""
-    monkeypatch.setattr(share_module, "ROW_BUCKET", 1)
+def test_rearranged_kv_lands_at_new_positions(engine4, doc):
+    """With nothing recomputed after layer 1, every reused row from layer 2 on holds the reference's
+    pre-RoPE K/V of its matched token, rotated to the row's new position."""
     engine = engine4
     sentences = doc.split(". ")
     half = len(sentences) // 2
@@ -377,7 +373,7 @@ def test_smollm2_paraphrase_served_by_share(make_smol_engine):
     s = exact.stats
     assert s["path"] == "share", s["refused"]
     computed = s["share_layer_rows"][0]
-    assert computed == s["prompt_tokens"] - s["share_first_row"] > 0.5 * s["prompt_tokens"]
+    assert computed == s["prompt_tokens"] - s["share_exact_prefix"] > 0.5 * s["prompt_tokens"]
     assert s["share_layer_rows"] == [computed] * engine.num_layers  # every row recomputed at every layer
     torch.testing.assert_close(exact.first_logits, full.first_logits, atol=2e-3, rtol=1e-3)
     shared = engine.generate(prompt=target, max_new_tokens=1, reuse="share", store_prompt=False)
@@ -410,31 +406,3 @@ def test_min_new_fraction_is_validated():
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="min_new_fraction"):
             ShareConfig(min_new_fraction=bad)
-
-
-# -- row buckets ------------------------------------------------------------------------------------------
-def test_bucketed_start_fills_whole_buckets_from_the_exact_prefix():
-    """The rows computed from layer 0 on are a whole number of buckets, taken from the exact prefix's tail
-    (never after the prefix), or every row when the prefix is too short to fill one."""
-    assert share_module.bucketed_start(1000, 100, 64) == 1000 - 15 * 64  # 900 rows -> 960
-    assert share_module.bucketed_start(1000, 40, 64) == 40  # 960 rows already
-    assert share_module.bucketed_start(100, 10, 64) == 0  # 90 rows -> 128 > 100: all of them
-    assert share_module.bucketed_start(1000, 100, 1) == 100
-
-
-def test_bucketed_schedule_keeps_whole_buckets_and_never_less():
-    """Every layer keeps forced + ceil(ratio * reusable) rows, rounded up to a whole bucket (or all rows),
-    as the selector will count them; ratios stay non-increasing and never drop below the asked ones."""
-    import math
-
-    ratios = {layer: max(0.02, 0.2 * 0.8 ** (layer - 1)) for layer in range(1, 30)}
-    for forced, total in ((61, 1856), (300, 1920), (5, 70), (0, 640)):
-        reusable = total - forced
-        out = share_module.bucketed_schedule(ratios, forced, total, 64)
-        previous = 1.0
-        for layer, ratio in ratios.items():
-            kept = forced + min(reusable, math.ceil(out[layer] * reusable))
-            assert kept % 64 == 0 or kept == total
-            assert kept >= forced + math.ceil(ratio * reusable)
-            assert out[layer] <= previous
-            previous = out[layer]
