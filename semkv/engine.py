@@ -43,7 +43,7 @@ from semkv.config import (
     make_private_dir,
 )
 from semkv.host_memory import keep_freed_memory
-from semkv.loop_repair import repair, wants_repair
+from semkv.loop_repair import repair
 from semkv.models.loader import load_model, model_fingerprint
 from semkv.models.registry import adapter_for
 from semkv.models.runtime import Runtime
@@ -659,7 +659,7 @@ class Engine:
         reused rows exactly and roll the repetition back (:mod:`semkv.loop_repair`, once per sequence;
         ``seq.notes["loop_repair"]`` says what it did). True if it repaired. Called after every decode step."""
         with self._lock:
-            return wants_repair(seq) and repair(self.runtime, seq)
+            return seq.wants_loop_repair() and repair(self.runtime, seq)
 
     def decode(
         self, seq: Sequence, *, max_steps: int | None = None, on_token: TokenCallback | None = None

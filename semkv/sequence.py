@@ -18,6 +18,7 @@ from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.prompt import PromptLayout
+from semkv.repetition import forming_repetition
 from semkv.request import GenerateRequest
 from semkv.reuse.base import LoadedRows, Plan, PrefillOutcome, Refusal
 from semkv.reuse.options import ReuseOptions
@@ -191,13 +192,11 @@ class Sequence:
     def emit_pending(self, on_token: TokenCallback | None) -> None:
         """Hand the tokens not yet emitted to ``on_token`` (a final EOS is not handed over); a callback
         returning False stops the sequence there. A repetition forming at the end of an answer that loop
-        repair may roll back is held until it breaks or the answer ends (:func:`semkv.loop_repair.held_tokens`)."""
+        repair may roll back is held until it breaks or the answer ends (:meth:`held_tokens`)."""
         if on_token is None:
             self.emitted = len(self.tokens)
             return
-        from semkv.loop_repair import held_tokens  # loop_repair reads Sequence
-
-        limit = len(self.tokens) - held_tokens(self)
+        limit = len(self.tokens) - self.held_tokens()
         while self.emitted < limit and not self.stop_requested:
             token = self.tokens[self.emitted]
             self.emitted += 1
@@ -206,6 +205,32 @@ class Sequence:
                 break
             if on_token(token) is False:
                 self.stop_requested = True
+
+    def held_tokens(self) -> int:
+        """Tokens at the end of the answer not to hand to a callback yet: a repetition forming in an answer
+        loop repair may still roll back (:func:`semkv.repetition.forming_repetition`); 0 once the sequence
+        finished or when it cannot be repaired. Delivered tokens are the client's and are never rolled back,
+        so without this a streamed loop (or a server's, whose steps hand every token on) could only be
+        repaired from its third copy on."""
+        if self.outcome is None:  # a stand-in without a prefill (the scheduler's tests)
+            return 0
+        if self.finished or not self.wants_loop_repair():
+            return 0
+        return forming_repetition(self.tokens)
+
+    def wants_loop_repair(self) -> bool:
+        """The answer comes from inexact KV, is decoded densely, asks for repair (:mod:`semkv.loop_repair`),
+        has none yet and was not ended by EOS or a client. One that just reached ``max_new_tokens`` still
+        qualifies: the rollback makes room, and decoding goes on."""
+        assert self.outcome is not None, "loop repair is asked of a sequence after its prefill"
+        return (
+            self.request.repair_loops
+            and not self.outcome.exact
+            and self.sparse is None
+            and "loop_repair" not in self.notes
+            and not self.stop_requested
+            and not self.ends_with_eos()
+        )
 
     def sample(self, logits: Tensor) -> int:
         """Sample the next token from ``logits`` [V] with the request's settings and append it."""

@@ -1,5 +1,5 @@
 """The paths the family matrix does not cover, on every available device (cpu; cuda where there is one):
-a prefix hit from the disk tier (entries come back from disk on the host and cross to the device),
+a prefix hit from the disk tier (memory tier and page pool emptied; entries come back from disk on the host and cross to the device),
 seeded sampling, and continuous batching through ``add_request`` / ``step``.
 
 Injected: a tiny random-weight llama on the ``device`` fixture's device. Must happen: the disk-tier hit is
@@ -26,6 +26,7 @@ def test_a_prefix_hit_from_the_disk_tier(device, make_tiny_engine):
     memory, disk = engine.store.memory, engine.store.tier("disk")
     for key in list(memory.keys()):
         memory.delete(key)
+    engine.drop_page_pool()  # the device-side pool would serve the hit before any store tier
     hits = disk.stats.hits
     again = engine.generate(PROMPT, reuse="prefix", **options)
     assert disk.stats.hits > hits  # read back from disk, not from memory

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semkv.loop_repair import Repetition, find_repetition, forming_repetition
+from semkv.repetition import Repetition, find_repetition, forming_repetition
 from semkv.request import GenerateRequest
 from semkv.reuse.options import BlendConfig
 from tests.conftest import require_embedded, tiny_hf_model

@@ -391,9 +391,10 @@ class PagePool:
     def _row_index(self, pages: Sequence[int], count: int) -> Tensor:
         """Pool rows [count] of the first ``count`` rows of ``pages``."""
         size = self.block_size
-        page_ids = torch.tensor(list(pages), dtype=torch.long)
-        rows = (page_ids[:, None] * size + torch.arange(size)[None, :]).reshape(-1)[:count]
-        return rows.to(self.layout.device)
+        device = self.layout.device
+        page_ids = torch.tensor(list(pages), dtype=torch.long, device=device)
+        offsets = torch.arange(size, device=device)
+        return (page_ids[:, None] * size + offsets[None, :]).reshape(-1)[:count]
 
     def _allocate(self) -> None:
         if self.k_pre:
