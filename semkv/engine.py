@@ -828,7 +828,8 @@ class Engine:
     def live_kv_bytes(self) -> int:
         """KV memory the runtime holds now (:meth:`Runtime.kv_held_bytes`): the decode arena, every slot
         at its full capacity, free or not, plus the own buffers of live caches outside it (prefills that
-        found no free slot, sparse sequences, stragglers, caches the arena had no room for)."""
+        found no free slot, sparse sequences, stragglers, caches the arena had no room for), plus each
+        prefix live caches share, once."""
         return self.runtime.kv_held_bytes()
 
     def kv_bytes_to_admit(self, admissions: list[Admission]) -> int:

@@ -4,12 +4,16 @@ Everything is measured side by side in one run on the same inputs, warm-up exclu
 * our full prefill vs the HF model's own forward on the same token ids (time ratio);
 * our decode ms/token vs HF ``generate`` with its own cache, at the same context;
 * prefix reuse: a long document asked a second question -> TTFT(full) / TTFT(prefix), answers identical;
-* KV bytes per token at rest, and the disk tier's write / read throughput.
+* KV bytes per token at rest, and the disk tier's write / read throughput;
+* ``--sharing N``: N running sequences whose prompts start with one pooled document — the live KV they
+  hold reading it shared against holding copies and against one sequence alone, and a batched decode
+  step of the N shared, of the N copies and of one alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import tempfile
 import time
@@ -41,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the prefix-reuse rows (full prefill, pool hit, store hit, copy and step floors)",
     )
+    p.add_argument(
+        "--sharing",
+        type=int,
+        default=8,
+        help="running sequences sharing one pooled document in the sharing rows (0: no sharing rows)",
+    )
+    p.add_argument("--sharing-tokens", type=int, nargs="+", default=[815, 1600], help="document lengths")
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -176,6 +187,94 @@ def prefix_reuse(engine, document: str, repeats: int) -> list[dict]:
     return rows
 
 
+def _running(engine, prompts: list[str], reuse: str, steps: int) -> list:
+    """Prefilled sequences of ``prompts`` (greedy, nothing stored), live together."""
+    return [
+        engine.prefill(
+            GenerateRequest(
+                prompt=p, reuse=reuse, store_prompt=False, stop_at_eos=False, max_new_tokens=steps + 2
+            )
+        )
+        for p in prompts
+    ]
+
+
+def _step_seconds(engine, seqs: list, steps: int) -> float:
+    """Median seconds of a batched decode step of ``seqs`` over ``steps`` steps, the first two (arena
+    binding, a lone reader copying its prefix in) excluded."""
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        engine.decode_batch(seqs)
+        times.append(time.perf_counter() - start)
+    return median(times[2:])
+
+
+def _live_kv(engine) -> int:
+    gc.collect()
+    return engine.live_kv_bytes()
+
+
+def shared_prompt_rows(engine, tokenizer, clients: int, lengths: list[int], steps: int) -> list[dict]:
+    """For each document length: ``clients`` sequences whose prompts start with one pooled document
+    (each its own question) — live KV and a batched decode step while they read it shared, against the
+    same prompts prefilled with no reuse (each holding its copy) and one sequence alone."""
+    rows = []
+    for length in tqdm(lengths, desc="sharing", leave=False):
+        document = haystack(tokenizer, length, start_essay=5)
+        prompts = [f"{document}\n\n{QUESTIONS[i % len(QUESTIONS)]} ({i})" for i in range(clients)]
+        engine.generate(prompt=document + "\n\n" + QUESTIONS[0], max_new_tokens=1)  # pools the document
+        base = _live_kv(engine)
+        one = _running(engine, prompts[:1], "none", steps)
+        one_kv = _live_kv(engine) - base
+        one_step = _step_seconds(engine, one, steps)
+        del one
+        shared = _running(engine, prompts, "prefix", steps)
+        readers = len({id(s.cache.prefix) for s in shared if s.cache.prefix is not None})
+        shared_kv = _live_kv(engine) - base
+        shared_step = _step_seconds(engine, shared, steps)
+        still_shared = sum(s.cache.prefix is not None for s in shared)
+        del shared
+        engine.reclaim_kv()
+        copies = _running(engine, prompts, "none", steps)
+        copies_kv = _live_kv(engine) - base
+        copies_step = _step_seconds(engine, copies, steps)
+        del copies
+        engine.reclaim_kv()
+        rows.append(
+            {
+                "prompt_tokens": len(engine.layout(plain_request(prompts[0], 1))),
+                "clients": clients,
+                "prefixes_read": readers,
+                "sharing_after_steps": still_shared,
+                "live_kv_one_mib": one_kv / 2**20,
+                "live_kv_shared_mib": shared_kv / 2**20,
+                "live_kv_copies_mib": copies_kv / 2**20,
+                "shared_over_one": shared_kv / one_kv,
+                "copies_over_one": copies_kv / one_kv,
+                "step_one_ms": 1000 * one_step,
+                "step_shared_ms": 1000 * shared_step,
+                "step_copies_ms": 1000 * copies_step,
+                "step_shared_over_one": shared_step / one_step,
+                "step_copies_over_one": copies_step / one_step,
+            }
+        )
+    return rows
+
+
+def print_sharing_rows(rows: list[dict]) -> None:
+    for row in rows:
+        print(
+            f"sharing: {row['clients']} sequences of {row['prompt_tokens']} tokens reading "
+            f"{row['prefixes_read']} prefix ({row['sharing_after_steps']} still after the steps): live KV "
+            f"{row['live_kv_shared_mib']:.1f} MiB shared = {row['shared_over_one']:.2f}x one "
+            f"({row['live_kv_one_mib']:.1f} MiB) vs copies {row['live_kv_copies_mib']:.1f} MiB = "
+            f"{row['copies_over_one']:.2f}x; decode step {row['step_shared_ms']:.1f} ms shared "
+            f"({row['step_shared_over_one']:.2f}x one's {row['step_one_ms']:.1f} ms) vs "
+            f"{row['step_copies_ms']:.1f} ms copies ({row['step_copies_over_one']:.2f}x)"
+        )
+
+
 def print_reuse_rows(rows: list[dict]) -> None:
     for row in rows:
         print(
@@ -221,6 +320,12 @@ def disk_throughput(engine, text: str) -> dict[str, float]:
     }
 
 
+def _sharing(engine, args: argparse.Namespace) -> list[dict]:
+    if args.sharing <= 0:
+        return []
+    return shared_prompt_rows(engine, engine.tokenizer, args.sharing, args.sharing_tokens, args.decode_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     from semkv.config import StoreConfig
     from semkv.engine import Engine
@@ -234,30 +339,37 @@ def run(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench_run")}
     if args.reuse_only:
         reuse_rows = prefix_reuse(engine, document, args.repeats)
+        sharing = _sharing(engine, args)
         summary = {"context_tokens": context_tokens, "threads": torch.get_num_threads()}
-        write_results(args.out, "prefix", reuse_rows, config, extra={"summary": summary})
+        write_results(args.out, "prefix", reuse_rows, config, extra={"summary": summary, "sharing": sharing})
         print_reuse_rows(reuse_rows)
+        print_sharing_rows(sharing)
         print(f"results in {args.out}/prefix.json and prefix.md")
         return 0
-    progress = tqdm(total=3, desc="bench prefix")
+    progress = tqdm(total=4, desc="bench prefix")
     overhead = runtime_vs_hf(engine, text, args.repeats, args.decode_tokens)
     progress.update()
     reuse_rows = prefix_reuse(engine, document, args.repeats)
     progress.update()
     storage = disk_throughput(engine, text)
     progress.update()
+    sharing = _sharing(engine, args)
+    progress.update()
     progress.close()
     summary = {**overhead, **storage, "context_tokens": context_tokens, "threads": torch.get_num_threads()}
     notes = "## Runtime vs HF and storage\n\n" + "\n".join(
         f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in summary.items()
     )
-    write_results(args.out, "prefix", reuse_rows, config, extra={"summary": summary}, notes=notes)
+    write_results(
+        args.out, "prefix", reuse_rows, config, extra={"summary": summary, "sharing": sharing}, notes=notes
+    )
     print(
         f"prefill ours/HF = {overhead['prefill_ratio_ours_over_hf']:.3f}  "
         f"decode ours/HF = {overhead['decode_ratio_ours_over_hf']:.3f}  "
         f"({overhead['decode_ours_ms_per_token']:.1f} vs {overhead['decode_hf_ms_per_token']:.1f} ms/token)"
     )
     print_reuse_rows(reuse_rows)
+    print_sharing_rows(sharing)
     print(
         f"KV {summary['kv_bytes_per_token']:.0f} B/token; disk write {summary['disk_write_MBps']:.0f} MB/s, "
         f"read {summary['disk_read_MBps']:.0f} MB/s"

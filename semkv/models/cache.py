@@ -10,9 +10,16 @@ positions, never from row order.
 of one [slots, kvh, capacity, d] tensor per layer, so a batched decode step writes and attends over all
 of them with one operator each instead of one per sequence.
 
+A cache may start from a :class:`SharedPrefix`: rows ``0 .. base - 1`` are read from buffers several
+caches hold together (a stored prompt's pages gathered once), and the cache's own buffers hold rows
+``base`` on. Attention reads the two pieces (:meth:`KVCache.keys`, and the two-piece kernels in
+:mod:`semkv.models.kernels`); anything that reaches for the whole buffers (``k_pre``, ``k_rot``, ``v``) or
+writes a prefix row first copies the prefix in (:meth:`KVCache.unshare`: copy-on-write of the whole prefix).
+
 KV memory held (what the scheduler's live-KV budget counts): an arena holds ``len(slots) * capacity *
 row_bytes`` bytes, free slots and the padding of short caches included; a cache holds
-``capacity * row_bytes`` bytes of its own while it is not bound to an arena, and none while it is.
+``(capacity - base) * row_bytes`` bytes of its own while it is not bound to an arena, and none while it
+is; a shared prefix is counted once, however many caches hold it (the runtime's ``kv_held_bytes``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from semkv.models.kernels import in_order
 
 # (layer, rotated queries [nh, A, d], their positions [A]) -> None; see Runtime.forward_rows.
 QueryObserver = Callable[[int, Tensor, Tensor], None]
+# (layer, first row, end row) -> pre-RoPE keys [kvh, end - first, d]; see SharedPrefix
+KeyRows = Callable[[int, int, int], Tensor]
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,8 +51,78 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype)
 
 
+class SharedPrefix:
+    """Rows ``0 .. rows - 1`` (positions 0 .. rows - 1) of a prompt held once for every cache that starts
+    with them. Read-only: a cache that must change a prefix row copies the prefix in first
+    (:meth:`KVCache.unshare`). ``holders``: the caches reading it now (weak: a cache dropped stops holding).
+
+    Per layer: ``k_rot`` [kvh, rows, d] rotated keys in the compute dtype, ``v`` [kvh, rows, d] values in
+    float32 (the compute-dtype values, widened: attention sums the prefix's share of a query's output in
+    float32 and rounds once, as a one-piece product over the joined rows does); pre-RoPE keys are read on
+    demand (``k_pre_rows(layer, start, end)`` -> [kvh, end - start, d] in ``kv_dtype``: from the page
+    pool's pages, which ``keep`` holds while the prefix lives, so they are not kept twice).
+    """
+
+    def __init__(
+        self,
+        k_rot: list[Tensor],
+        v: list[Tensor],
+        token_ids: list[int],
+        k_pre_rows: KeyRows,
+        kv_dtype: torch.dtype,
+        keep: object = None,
+    ) -> None:
+        rows = k_rot[0].shape[1] if k_rot else 0
+        if len(token_ids) != rows or len(k_rot) != len(v):
+            raise ValueError(f"a shared prefix of {rows} rows needs as many token ids, got {len(token_ids)}")
+        if any(t.dtype != torch.float32 for t in v):
+            raise ValueError("a shared prefix holds its values in float32")
+        self.k_rot, self.v = k_rot, v
+        self.token_ids = tuple(token_ids)
+        self.rows = rows
+        self.k_pre_rows = k_pre_rows
+        self.kv_dtype = kv_dtype
+        self.keep = keep
+        self.holders: weakref.WeakSet[KVCache] = weakref.WeakSet()
+
+    @classmethod
+    def of_rows(
+        cls, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor], token_ids: list[int]
+    ) -> SharedPrefix:
+        """A prefix holding the given per-layer rows [kvh, rows, d] itself (pre-RoPE keys in the KV dtype,
+        rotated keys and values in the compute dtype)."""
+        return cls(
+            k_rot,
+            [t.float() for t in v],
+            token_ids,
+            lambda layer, start, end: k_pre[layer][:, start:end],
+            k_pre[0].dtype,
+            keep=k_pre,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_rot)
+
+    def held_by_others(self, cache: KVCache) -> bool:
+        """Whether a cache other than ``cache`` reads this prefix now."""
+        return any(holder is not cache for holder in list(self.holders))
+
+    def nbytes(self) -> int:
+        """Bytes of the prefix's own buffers (rotated keys and float32 values; pre-RoPE keys it holds
+        itself, not those read from pool pages)."""
+        held = [*self.k_rot, *self.v]
+        if isinstance(self.keep, list):
+            held += [t for t in self.keep if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
 class KVCache:
-    """Buffers [kvh, capacity, d] per layer; ``length`` rows are valid."""
+    """Buffers [kvh, capacity, d] per layer; ``length`` rows are valid.
+
+    With a :class:`SharedPrefix` (:meth:`share_prefix`), rows below ``base`` are the prefix's and the own
+    buffers [kvh, capacity - base, d] hold rows ``base`` on (own row i is cache row ``base + i``).
+    """
 
     def __init__(
         self,
@@ -63,18 +142,62 @@ class KVCache:
         self.device = torch.device(device)
         self.capacity = 0
         self.length = 0
-        self.k_pre: list[Tensor] = []
-        self.k_rot: list[Tensor] = []
-        self.v: list[Tensor] = []
+        self.prefix: SharedPrefix | None = None  # rows 0 .. base - 1 read from here (share_prefix)
+        self.base = 0
+        self._k_pre: list[Tensor] = []  # own buffers: rows base ..
+        self._k_rot: list[Tensor] = []
+        self._v: list[Tensor] = []
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.token_ids: list[int] = []
         self.query_observer: QueryObserver | None = None  # set while a prefill's queries are captured
-        self.in_arena = False  # the buffers are views of a DecodeArena slot (see adopt)
+        self.in_arena = False  # the own buffers are views of a DecodeArena slot (see adopt)
         # host copies of facts about ``positions``, read from the device once and kept while decode rows
         # append in order (see ordered, position_span); None: not known
         self._in_order: bool | None = None
         self._span: int | None = None
         self.reserve(max(capacity, 1))
+
+    # -- whole buffers (a shared prefix is copied in first) ------------------------------------------
+    @property
+    def k_pre(self) -> list[Tensor]:
+        """Pre-RoPE keys [kvh, capacity, d] per layer (KV dtype); copies a shared prefix in first."""
+        self.unshare()
+        return self._k_pre
+
+    @property
+    def k_rot(self) -> list[Tensor]:
+        """Rotated keys [kvh, capacity, d] per layer (compute dtype); copies a shared prefix in first."""
+        self.unshare()
+        return self._k_rot
+
+    @property
+    def v(self) -> list[Tensor]:
+        """Values [kvh, capacity, d] per layer (compute dtype); copies a shared prefix in first."""
+        self.unshare()
+        return self._v
+
+    @property
+    def own_k_pre(self) -> list[Tensor]:
+        """The own buffers [kvh, capacity - base, d] per layer, rows ``base`` on (no copy)."""
+        return self._k_pre
+
+    @property
+    def own_k_rot(self) -> list[Tensor]:
+        return self._k_rot
+
+    @property
+    def own_v(self) -> list[Tensor]:
+        return self._v
+
+    @property
+    def own_length(self) -> int:
+        """Valid rows in the own buffers."""
+        return self.length - self.base
+
+    @property
+    def own_capacity(self) -> int:
+        """Rows the own buffers may hold."""
+        return self.capacity - self.base
 
     @property
     def row_bytes(self) -> int:
@@ -83,9 +206,63 @@ class KVCache:
         return row_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.compute_dtype)
 
     def held_bytes(self) -> int:
-        """Bytes of the buffers this cache holds on its own: ``capacity`` rows, or 0 while they are views of
-        a :class:`DecodeArena` slot (the arena counts them). The positions and token ids are not KV."""
-        return 0 if self.in_arena else self.capacity * self.row_bytes
+        """Bytes of the buffers this cache holds on its own: ``capacity - base`` rows, or 0 while they are
+        views of a :class:`DecodeArena` slot (the arena counts them). A shared prefix is not counted here
+        (its holders share it), nor are positions and token ids."""
+        return 0 if self.in_arena else self.own_capacity * self.row_bytes
+
+    # -- the shared prefix ---------------------------------------------------------------------------
+    def share_prefix(self, prefix: SharedPrefix, rows: int | None = None) -> None:
+        """Start this empty cache with the first ``rows`` rows of ``prefix`` (default: all) at positions
+        0 .. rows - 1, read from the prefix's buffers (no copy). Own buffers outside an arena shrink to
+        the rows left (``capacity - rows``)."""
+        if self.length or self.prefix is not None:
+            raise ValueError("share_prefix needs an empty cache")
+        rows = prefix.rows if rows is None else rows
+        if not 0 < rows <= prefix.rows:
+            raise ValueError(f"share_prefix: {rows} rows asked of a prefix of {prefix.rows}")
+        first = prefix.k_rot[0]
+        layout = (first.shape[0], first.shape[2], prefix.kv_dtype, prefix.num_layers)
+        if layout != (self.num_kv_heads, self.head_dim, self.kv_dtype, self.num_layers):
+            raise ValueError(f"shared prefix layout {layout} differs from the cache's")
+        self.reserve(rows + 1)
+        self.append_rows(torch.arange(rows, device=self.device), list(prefix.token_ids[:rows]))
+        self._in_order, self._span = True, max(rows - 1, 0)
+        self.prefix, self.base = prefix, rows
+        prefix.holders.add(self)
+        if not self.in_arena:
+            shape = (self.num_kv_heads, self.own_capacity, self.head_dim)
+            self._k_pre = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self._k_pre]
+            self._k_rot = [
+                torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in self._k_rot
+            ]
+            self._v = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in self._v]
+
+    def unshare(self) -> None:
+        """Copy the shared prefix's rows into buffers of this cache's own (copy-on-write of the whole
+        prefix) and stop reading it; nothing without one. A cache bound to an arena leaves it."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        base, own = self.base, self.own_length
+        shape = (self.num_kv_heads, self.capacity, self.head_dim)
+        mine: list[list[Tensor]] = []
+        for shared, bufs, dtype in (
+            ("k_pre", self._k_pre, self.kv_dtype),
+            ("k_rot", self._k_rot, self.compute_dtype),
+            ("v", self._v, self.compute_dtype),
+        ):
+            layers = []
+            for layer in range(self.num_layers):
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                buf[:, :base] = self._prefix_rows(shared, layer, 0, base)
+                buf[:, base : base + own] = bufs[layer][:, :own]
+                buf[:, base + own :].zero_()  # finite rows past the length (see reserve)
+                layers.append(buf)
+            mine.append(layers)
+        self._k_pre, self._k_rot, self._v = mine
+        prefix.holders.discard(self)
+        self.prefix, self.base, self.in_arena = None, 0, False
 
     # -- capacity ----------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
@@ -93,24 +270,25 @@ class KVCache:
         if capacity <= self.capacity:
             return
         new_cap = max(capacity, 2 * self.capacity)
-        shape = (self.num_kv_heads, new_cap, self.head_dim)
+        shape = (self.num_kv_heads, new_cap - self.base, self.head_dim)
+        own = self.own_length
 
         def grow(old: list[Tensor], dtype: torch.dtype, zero_tail: bool) -> list[Tensor]:
             out = []
             for layer in range(self.num_layers):
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
                 if old:
-                    buf[:, : self.length] = old[layer][:, : self.length]
+                    buf[:, :own] = old[layer][:, :own]
                 if zero_tail:
-                    buf[:, self.length :].zero_()
+                    buf[:, own:].zero_()
                 out.append(buf)
             return out
 
         # Rows past the length are finite (zeros, or rows written before a truncation): a decode step may
         # attend over the whole buffer with those rows masked (0 x value must be 0, never NaN).
-        self.k_pre = grow(self.k_pre, self.kv_dtype, zero_tail=False)
-        self.k_rot = grow(self.k_rot, self.compute_dtype, zero_tail=True)
-        self.v = grow(self.v, self.compute_dtype, zero_tail=True)
+        self._k_pre = grow(self._k_pre, self.kv_dtype, zero_tail=False)
+        self._k_rot = grow(self._k_rot, self.compute_dtype, zero_tail=True)
+        self._v = grow(self._v, self.compute_dtype, zero_tail=True)
         positions = torch.empty(new_cap, dtype=torch.long, device=self.device)
         positions[: self.length] = self.positions[: self.length]
         self.positions = positions
@@ -156,11 +334,12 @@ class KVCache:
         return self._span
 
     def adopt(self, k_pre: list[Tensor], k_rot: list[Tensor], v: list[Tensor], capacity: int = 0) -> None:
-        """Move to the given per-layer buffers [kvh, >= capacity, d] (views of a :class:`DecodeArena` slot):
-        the valid rows are copied there and the old buffers dropped. ``capacity``: rows the cache may use
-        from then on, if more than it has (at most the buffers' rows)."""
+        """Move the own rows to the given per-layer buffers [kvh, >= capacity - base, d] (views of a
+        :class:`DecodeArena` slot): the valid own rows are copied there and the old buffers dropped.
+        ``capacity``: rows the cache may use from then on, if more than it has (at most the buffers' rows
+        plus ``base``)."""
         rows = k_pre[0].shape[1]
-        if capacity > rows:
+        if capacity - self.base > rows:
             raise ValueError(f"adopt capacity {capacity} exceeds the buffers' {rows} rows")
         if capacity > self.capacity:
             positions = torch.empty(capacity, dtype=torch.long, device=self.device)
@@ -170,72 +349,128 @@ class KVCache:
             self.adopt_layer(layer, k_pre[layer], k_rot[layer], v[layer])
 
     def adopt_layer(self, layer: int, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
-        """Move ``layer`` to the given buffers [kvh, >= capacity, d] (its valid rows are copied there); the
-        old ones are dropped, so an arena reallocated layer by layer frees each old layer as it goes."""
-        for new, old in ((k_pre, self.k_pre), (k_rot, self.k_rot), (v, self.v)):
-            if new.shape[1] < self.capacity or new.dtype != old[layer].dtype:
-                raise ValueError(f"adopt needs {old[layer].dtype} buffers of >= {self.capacity} rows")
-            new[:, : self.length] = old[layer][:, : self.length]
-        self.k_pre[layer], self.k_rot[layer], self.v[layer] = k_pre, k_rot, v
+        """Move ``layer``'s own rows to the given buffers [kvh, >= capacity - base, d] (its valid own rows
+        are copied there); the old ones are dropped, so an arena reallocated layer by layer frees each old
+        layer as it goes."""
+        own = self.own_length
+        for new, old in ((k_pre, self._k_pre), (k_rot, self._k_rot), (v, self._v)):
+            if new.shape[1] < self.own_capacity or new.dtype != old[layer].dtype:
+                raise ValueError(f"adopt needs {old[layer].dtype} buffers of >= {self.own_capacity} rows")
+            new[:, :own] = old[layer][:, :own]
+        self._k_pre[layer], self._k_rot[layer], self._v[layer] = k_pre, k_rot, v
         self.in_arena = True  # once every layer has moved (a reallocation moves one layer at a time)
 
     def __deepcopy__(self, memo: dict[int, object]) -> KVCache:
-        """An independent cache; buffers that are views of a shared arena are copied alone, not the arena."""
+        """An independent cache; own buffers that are views of a shared arena are copied alone, not the
+        arena. A shared prefix stays shared (read-only): the copy holds it too."""
         clone = KVCache.__new__(KVCache)
         memo[id(self)] = clone
         for name, value in self.__dict__.items():
-            if name in ("k_pre", "k_rot", "v"):
-                value = [buf[:, : self.capacity].clone() for buf in value]  # an arena slot may be longer
+            if name in ("_k_pre", "_k_rot", "_v"):
+                value = [buf[:, : self.own_capacity].clone() for buf in value]  # an arena slot may be longer
             elif name == "in_arena":
                 value = False
+            elif name == "prefix":
+                pass
             else:
                 value = copy.deepcopy(value, memo)
             setattr(clone, name, value)
+        if clone.prefix is not None:
+            clone.prefix.holders.add(clone)
         return clone
 
     def truncate(self, length: int) -> None:
-        """Forget rows from ``length`` on."""
+        """Forget rows from ``length`` on (below ``base``: the shared prefix is copied in first)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length {length} outside [0, {self.length}]")
+        if length < self.base:
+            self.unshare()
         self.length = length
         del self.token_ids[length:]
         self._span = None  # the last position changed; rows left in order stay in order
 
     # -- rows ----------------------------------------------------------------------------------
+    def _own_rows(self, rows: Tensor | slice) -> Tensor | slice:
+        """``rows`` (cache rows, all at or past ``base``) as indices into the own buffers; copies the shared
+        prefix in (and returns ``rows`` as they are) when some fall below ``base``."""
+        base = self.base
+        if not base:
+            return rows
+        if isinstance(rows, slice):
+            start = 0 if rows.start is None else rows.start
+            if start >= base and rows.step in (None, 1):
+                stop = None if rows.stop is None else rows.stop - base
+                return slice(start - base, stop)
+        elif rows.numel() and bool(rows.min() >= base):
+            return rows - base
+        self.unshare()
+        return rows
+
     def write(self, layer: int, rows: Tensor | slice, k_pre: Tensor, k_rot: Tensor, v: Tensor) -> None:
-        """Write k_pre/k_rot/v [kvh, n, d] into ``rows`` of ``layer``.
+        """Write k_pre/k_rot/v [kvh, n, d] into ``rows`` of ``layer`` (a shared prefix row is copied in
+        first).
 
         ``k_pre`` and ``v`` are rounded through the KV dtype, so live attention sees
         exactly what the store would hand back.
         """
-        self.k_pre[layer][:, rows] = cast(k_pre, self.kv_dtype)
-        self.k_rot[layer][:, rows] = k_rot.to(self.compute_dtype)
-        self.v[layer][:, rows] = cast(cast(v, self.kv_dtype), self.compute_dtype)
+        own = self._own_rows(rows)
+        self._k_pre[layer][:, own] = cast(k_pre, self.kv_dtype)
+        self._k_rot[layer][:, own] = k_rot.to(self.compute_dtype)
+        self._v[layer][:, own] = cast(cast(v, self.kv_dtype), self.compute_dtype)
 
     def row_buffers(self, layer: int, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
         """Views of ``rows`` of ``layer``: pre-RoPE keys (KV dtype), rotated keys and values (compute dtype),
         each [kvh, n, d], for a loader that fills them in place with what :meth:`write` would write (values
-        rounded through the KV dtype, rotated keys rotated from the KV-dtype keys)."""
-        return self.k_pre[layer][:, rows], self.k_rot[layer][:, rows], self.v[layer][:, rows]
+        rounded through the KV dtype, rotated keys rotated from the KV-dtype keys). Rows below ``base``
+        copy a shared prefix in first."""
+        own = self._own_rows(rows)
+        return self._k_pre[layer][:, own], self._k_rot[layer][:, own], self._v[layer][:, own]
 
     def keys(self, layer: int) -> Tensor:
-        """Rotated keys of valid rows [kvh, length, d]."""
-        return self.k_rot[layer][:, : self.length]
+        """Rotated keys of valid rows [kvh, length, d] (with a shared prefix: a new tensor of both pieces)."""
+        return self._rows_of("k_rot", layer, 0, self.length)
 
     def values(self, layer: int) -> Tensor:
-        """Values of valid rows [kvh, length, d] (compute dtype)."""
-        return self.v[layer][:, : self.length]
+        """Values of valid rows [kvh, length, d] (compute dtype; with a shared prefix, a new tensor)."""
+        return self._rows_of("v", layer, 0, self.length)
 
     def valid_positions(self) -> Tensor:
         return self.positions[: self.length]
 
     def export(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Pre-RoPE keys and values of rows [start, end) in the KV dtype, each [L, kvh, n, d]."""
-        k = torch.stack([self.k_pre[layer][:, start:end] for layer in range(self.num_layers)])
-        v = torch.stack(
-            [cast(self.v[layer][:, start:end], self.kv_dtype) for layer in range(self.num_layers)]
-        )
+        layers = range(self.num_layers)
+        k = torch.stack([self._rows_of("k_pre", layer, start, end) for layer in layers])
+        v = torch.stack([cast(self._rows_of("v", layer, start, end), self.kv_dtype) for layer in layers])
         return k, v
+
+    def kv_rows(self, layer: int, start: int) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values of rows [start, length) of ``layer``, each [kvh, n, d] (a new tensor
+        when they span a shared prefix and the own rows)."""
+        return self._rows_of("k_rot", layer, start, self.length), self._rows_of(
+            "v", layer, start, self.length
+        )
+
+    def _rows_of(self, name: str, layer: int, start: int, end: int) -> Tensor:
+        """Rows [start, end) of buffer ``name`` ("k_pre", "k_rot" or "v") of ``layer``, [kvh, n, d] in the
+        cache's dtype for it, read across the shared prefix and the own buffers without copying the prefix
+        in (rows of both pieces: a new tensor)."""
+        base, own = self.base, getattr(self, "_" + name)[layer]
+        if self.prefix is None or start >= base:
+            return own[:, start - base : end - base]
+        shared = self._prefix_rows(name, layer, start, min(end, base))
+        if end <= base:
+            return shared
+        return torch.cat((shared, own[:, : end - base]), dim=1)
+
+    def _prefix_rows(self, name: str, layer: int, start: int, end: int) -> Tensor:
+        """Rows [start, end) of the shared prefix's buffer ``name`` in the cache's dtype for it."""
+        prefix = self.prefix
+        assert prefix is not None
+        if name == "k_pre":
+            return prefix.k_pre_rows(layer, start, end)
+        rows = (prefix.k_rot if name == "k_rot" else prefix.v)[layer][:, start:end]
+        return rows.to(self.compute_dtype)
 
     def nbytes(self) -> int:
         """Bytes of the valid rows at rest (pre-RoPE K + V in the KV dtype)."""
@@ -310,7 +545,7 @@ class DecodeArena:
         """The cache bound to ``slot``, or None if the slot is free."""
         ref = self.slots[slot]
         cache = ref() if ref is not None else None
-        if cache is None or cache.k_rot[0].data_ptr() != self.k_rot[0][slot].data_ptr():
+        if cache is None or cache.own_k_rot[0].data_ptr() != self.k_rot[0][slot].data_ptr():
             return None
         return cache
 
@@ -336,7 +571,7 @@ class DecodeArena:
             self._check_layout(cache)
         if not new:
             return [where[id(cache)] for cache in caches]
-        narrowest = sorted(new, key=lambda cache: cache.capacity)
+        narrowest = sorted(new, key=lambda cache: cache.own_capacity)
         for group in [new] + [narrowest[:count] for count in range(len(new) - 1, 0, -1)]:
             if self._join(group, len(where), max_growth):
                 break
@@ -349,7 +584,7 @@ class DecodeArena:
         """Bind ``new`` (none bound yet; ``bound`` slots taken), growing within ``max_growth`` if needed;
         False, changing nothing, if that would pass it."""
         needed = bound + len(new)  # more than len(self.slots) iff free slots run short
-        if needed <= len(self.slots) and max(cache.capacity for cache in new) <= self.capacity:
+        if needed <= len(self.slots) and max(cache.own_capacity for cache in new) <= self.capacity:
             for cache, slot in zip(new, self.free_slots(), strict=False):
                 cache.adopt(*self._views(slot))
                 self.slots[slot] = weakref.ref(cache)
@@ -421,7 +656,7 @@ class DecodeArena:
     def _widest(self, joining: list[KVCache]) -> int:
         """The capacity (aligned) of the bound caches and ``joining``: what a reallocation allocates."""
         caches = [cache for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
-        return _aligned(max(cache.capacity for cache in caches + joining))
+        return _aligned(max(cache.own_capacity for cache in caches + joining))
 
     def _reallocate(self, slots: int, capacity: int, joining: list[KVCache] | None = None) -> None:
         """Reallocate to ``slots`` slots of ``capacity`` rows, layer by layer: the bound caches, then the
@@ -430,7 +665,7 @@ class DecodeArena:
         zero)."""
         bound = [cache for slot in range(len(self.slots)) if (cache := self.bound(slot)) is not None]
         placed = list(enumerate(bound + (joining or [])))
-        if len(placed) > slots or any(cache.capacity > capacity for _, cache in placed):
+        if len(placed) > slots or any(cache.own_capacity > capacity for _, cache in placed):
             raise ValueError(f"{len(placed)} caches do not fit {slots} slots of {capacity} rows")
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
         dtypes = (self.kv_dtype, self.compute_dtype, self.compute_dtype)

@@ -477,12 +477,95 @@ def batched_decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | Non
     rep = nh // kvh
     queries = q.reshape(n * kvh, rep, d)
     keys, values = k.flatten(0, 1), v.flatten(0, 1)  # views: a slot's heads are one stride apart
-    if keys.is_contiguous():
-        scores = torch.bmm(queries, keys.transpose(1, 2))
-    else:
-        scores = torch.bmm(keys, queries.transpose(1, 2)).transpose(1, 2)
-    scores = scores.view(n, kvh, rep, width)
+    scores = _slot_scores(queries, keys).view(n, kvh, rep, width)
     if bias is not None:
         scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs.reshape(n * kvh, rep, width), values).view(n, nh * d)
+
+
+def batched_decode_with_prefixes(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, prefixes: list[PrefixPiece]
+) -> Tensor:
+    """:func:`batched_decode_attention` for sequences whose first rows live in shared prefixes.
+
+    q: [n, nh, d] (already scaled); k, v: [n, kvh, W, d] each sequence's own rows (after its prefix, if
+    any), in row order; bias: [n, 1, 1, W] additive (0 / -inf) or None. prefixes: one
+    :class:`PrefixPiece` per shared prefix: rows its members see before their own rows (each sequence
+    in at most one). Queries and keys in position order, no window cut (the caller's guarantee).
+    Returns [n, nh * d] in q's dtype.
+
+    One softmax over both pieces: the scores of a prefix's members against its keys are one matmul for
+    all of them (the prefix is read once per step, not once per sequence), placed before the own rows'
+    scores; sequences without a prefix (or with a shorter one) see -inf there. A prefix reader's output
+    (weights @ values over both pieces) is summed in float32 and rounded once, as a one-piece product
+    is: a sum of two rounded low-precision halves moved greedy tokens of a tiny bf16 model away from
+    the one-piece product's.
+    """
+    n, nh, d = q.shape
+    kvh, width = k.shape[1], k.shape[2]
+    rep = nh // kvh
+    head = max((piece.keys.shape[1] for piece in prefixes), default=0)
+    everyone = len(prefixes) == 1 and prefixes[0].members is None and prefixes[0].keys.shape[1] == head
+    scores = (
+        q.new_empty((n, kvh, rep, head + width))
+        if everyone
+        else q.new_full((n, kvh, rep, head + width), float("-inf"))
+    )
+    own = _slot_scores(q.reshape(n * kvh, rep, d), k.flatten(0, 1)).view(n, kvh, rep, width)
+    scores[..., head:] = own if bias is None else own + bias
+    for piece in prefixes:
+        rows, picked = piece.keys.shape[1], piece.pick(q)
+        count = picked.shape[0]
+        grouped = picked.view(count, kvh, rep, d).transpose(0, 1).reshape(kvh, count * rep, d)
+        shared = torch.bmm(grouped, piece.keys.transpose(1, 2)).view(kvh, count, rep, rows).transpose(0, 1)
+        if piece.bias is not None:
+            shared = shared + piece.bias
+        piece.place(scores[..., :rows], shared)
+    probs = torch.softmax(scores, dim=-1)
+    if everyone:
+        out = q.new_empty((n, kvh, rep, d), dtype=torch.float32)
+    else:  # sequences without a prefix: one product, as batched_decode_attention
+        own_out = torch.bmm(probs[..., head:].reshape(n * kvh, rep, width), v.flatten(0, 1))
+        out = own_out.view(n, kvh, rep, d).float()
+    for piece in prefixes:
+        rows, weights = piece.values.shape[1], piece.pick(probs)
+        count = weights.shape[0]
+        own_rows = weights[..., head:].reshape(count * kvh, rep, width).float()
+        own_share = torch.bmm(own_rows, piece.pick(v).flatten(0, 1).float()).view(count, kvh, rep, d)
+        prefix_rows = weights[..., :rows].transpose(0, 1).reshape(kvh, count * rep, rows).float()
+        share = torch.bmm(prefix_rows, piece.values).view(kvh, count, rep, d).transpose(0, 1)
+        piece.place(out, own_share + share)
+    return out.view(n, nh * d).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class PrefixPiece:
+    """One shared prefix in :func:`batched_decode_with_prefixes`: keys [kvh, P, d] (q's dtype) and values
+    [kvh, P, d] (float32); members: [g] the sequences that read it (None: all of them, in order); bias:
+    [g, 1, 1, P] additive (0 / -inf) hiding rows a member does not read (it reads only the first rows of
+    a longer prefix), or None."""
+
+    keys: Tensor
+    values: Tensor
+    members: Tensor | None = None
+    bias: Tensor | None = None
+
+    def pick(self, x: Tensor) -> Tensor:
+        """The members' rows of ``x`` [n, ...]."""
+        return x if self.members is None else x[self.members]
+
+    def place(self, into: Tensor, rows: Tensor) -> None:
+        """Write the members' ``rows`` [g, ...] into ``into`` [n, ...]."""
+        if self.members is None:
+            into.copy_(rows)
+        else:
+            into[self.members] = rows
+
+
+def _slot_scores(queries: Tensor, keys: Tensor) -> Tensor:
+    """queries [b, rep, d] @ keys [b, R, d]^T -> [b, rep, R]; strided keys go on the left (torch's CPU
+    batched matmul copies a strided right operand first)."""
+    if keys.is_contiguous():
+        return torch.bmm(queries, keys.transpose(1, 2))
+    return torch.bmm(keys, queries.transpose(1, 2)).transpose(1, 2)

@@ -20,8 +20,11 @@ Tenancy: a page is found only through its key, and a prefix block's key includes
 namespace (:func:`semkv.store.keys.prefix_block_keys`), so a tenant reaches only its own pages; a page
 handed out again is overwritten whole before it is indexed under its new key.
 
-Sequences still copy the pages they hit into their own cache (the decode arena is contiguous per
-sequence): running sequences do not share pages, and there is no copy-on-write (docs/design.md).
+Running sequences that hit the same pooled prefix share its rows: :meth:`PagePool.shared_prefix` gathers
+the pages once into a :class:`~semkv.models.cache.SharedPrefix` that every cache starting with that prefix
+reads while it lives (kept weakly, keyed by the last page's key and the row count). A cache that must
+change a prefix row copies the prefix in first (copy-on-write of the whole prefix), and a cache left
+alone with it copies it in before decoding (one piece of attention is faster than two; docs/design.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from semkv.models.cache import KVCache, row_bytes
+from semkv.models.cache import KeyRows, KVCache, SharedPrefix, row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +302,8 @@ class PagePool:
         self.k_pre: list[Tensor] = []
         self.k_rot: list[Tensor] = []
         self.v: list[Tensor] = []
+        # prefixes gathered from pages and read by live caches, under the key of every whole page they hold
+        self.shared: weakref.WeakValueDictionary[str, SharedPrefix] = weakref.WeakValueDictionary()
 
     @classmethod
     def within(cls, layout: PageLayout, budget_bytes: int) -> PagePool:
@@ -333,11 +338,11 @@ class PagePool:
             raise ValueError("write: the cache does not hold every row of the pages")
         runs = page_runs(pages)
         pool_index = self._row_index(pages, len(pages) * size) if len(runs) > MANY_RUNS else None
+        rows = slice(first_row, first_row + len(pages) * size)
         for layer in range(self.layout.num_layers):
-            for pool_bufs, cache_buf in zip(
-                (self.k_pre, self.k_rot, self.v), (cache.k_pre, cache.k_rot, cache.v), strict=True
+            for pool_bufs, src in zip(
+                (self.k_pre, self.k_rot, self.v), cache.row_buffers(layer, rows), strict=True
             ):
-                src = cache_buf[layer][:, first_row : first_row + len(pages) * size]
                 if pool_index is not None:
                     pool_bufs[layer].index_copy_(1, pool_index, src)
                     continue
@@ -346,28 +351,32 @@ class PagePool:
                         :, at * size : (at + length) * size
                     ]
 
-    def read(self, pages: Sequence[int], cache: KVCache, count: int) -> int:
-        """Append ``count`` rows (at most ``len(pages) * B``) holding the pages' first rows to an empty
-        ``cache``: the pages are a prefix, their rows sit at positions ``0 .. count - 1``. One copy per
-        layer and buffer for each run of consecutive pages (one gather beyond :data:`MANY_RUNS` runs).
-        Returns the first appended row (0)."""
+    def read(self, pages: Sequence[int], cache: KVCache, count: int, skip: int = 0) -> int:
+        """Append rows ``skip .. count - 1`` of the pages (``count`` at most ``len(pages) * B``) to a
+        ``cache`` holding ``skip`` rows (the pages' first ones, e.g. read from a shared prefix): the pages
+        are a prefix, their rows sit at positions ``0 .. count - 1``. One copy per layer and buffer for each
+        run of consecutive pages (one gather beyond :data:`MANY_RUNS` runs, or when ``skip`` is not 0).
+        Returns the first appended row (``skip``)."""
         size = self.block_size
-        if cache.length:
-            raise ValueError("read: pooled pages are a prefix; the cache must be empty")
-        if count > len(pages) * size or count < 0:
-            raise ValueError(f"read: {count} rows asked of {len(pages)} pages of {size}")
+        if cache.length != skip:
+            raise ValueError(f"read: pooled pages are a prefix; the cache must hold {skip} rows")
+        if count > len(pages) * size or not 0 <= skip <= count:
+            raise ValueError(f"read: rows {skip}..{count} asked of {len(pages)} pages of {size}")
         if not self.k_pre and count:
             raise ValueError("read: the pool holds no pages yet")
-        positions = torch.arange(count, device=cache.device)
-        token_ids = [t for page in pages for t in self._info(page).token_ids][:count]
+        if skip == count:
+            return skip
+        positions = torch.arange(skip, count, device=cache.device)
+        token_ids = [t for page in pages for t in self._info(page).token_ids][skip:count]
         start = cache.append_rows(positions, token_ids)
         runs = page_runs(pages)
-        pool_index = self._row_index(pages, count) if len(runs) > MANY_RUNS else None
+        pool_index = self._row_index(pages, count)[skip:] if len(runs) > MANY_RUNS or skip else None
+        count -= skip
+        rows = slice(start, start + count)
         for layer in range(self.layout.num_layers):
-            for pool_bufs, cache_buf in zip(
-                (self.k_pre, self.k_rot, self.v), (cache.k_pre, cache.k_rot, cache.v), strict=True
+            for pool_bufs, dst in zip(
+                (self.k_pre, self.k_rot, self.v), cache.row_buffers(layer, rows), strict=True
             ):
-                dst = cache_buf[layer][:, start : start + count]
                 if pool_index is not None:
                     dst.copy_(pool_bufs[layer].index_select(1, pool_index))
                     continue
@@ -378,6 +387,47 @@ class PagePool:
                     last = min((at + length) * size, count)
                     dst[:, first:last] = pool_bufs[layer][:, page * size : page * size + last - first]
         return start
+
+    def shared_prefix(self, pages: Sequence[int], count: int) -> tuple[SharedPrefix, int]:
+        """A :class:`SharedPrefix` holding the first rows of ``pages`` (a prefix: positions 0 ..
+        ``count`` - 1) and how many of them (from the first) a cache may read from it: the live prefix
+        that holds the longest run of these pages, if one does (it may hold other rows after them, and
+        fewer than ``count``: the caller reads the rest from the pages), else ``count`` rows gathered
+        now (one ``index_select`` per layer of the rotated keys and values). A prefix holds a lease on its
+        pages while it lives (they are not evicted) and reads its pre-RoPE keys from them when asked."""
+        size = self.block_size
+        if not 0 < count <= len(pages) * size:
+            raise ValueError(f"shared_prefix: {count} rows asked of {len(pages)} pages of {size}")
+        if not self.k_pre:
+            raise ValueError("shared_prefix: the pool holds no pages yet")
+        used = list(pages[: -(-count // size)])
+        token_ids = [t for page in used for t in self._info(page).token_ids][:count]
+        for whole in range(count // size, 0, -1):  # the longest run of whole pages a live prefix holds
+            found = self.shared.get(self._info(used[whole - 1]).key)
+            if found is not None:
+                readable = whole * size
+                end = min(found.rows, count)
+                if found.token_ids[readable:end] == tuple(token_ids[readable:end]):
+                    readable = max(readable, end)  # the same tokens after the pages: the same rows
+                return found, readable
+        index = self._row_index(used, count)
+        k_rot = [buf.index_select(1, index) for buf in self.k_rot]
+        v = [buf.index_select(1, index).float() for buf in self.v]
+        prefix = SharedPrefix(
+            k_rot, v, token_ids, self._key_reader(index), self.layout.kv_dtype, keep=self.lease(used)
+        )
+        for page in used[: count // size]:
+            self.shared[self._info(page).key] = prefix
+        return prefix, count
+
+    def _key_reader(self, index: Tensor) -> KeyRows:
+        """Pre-RoPE keys of the pool rows ``index`` [count], read per layer and row range."""
+        buffers = self.k_pre
+
+        def read(layer: int, start: int, end: int) -> Tensor:
+            return buffers[layer].index_select(1, index[start:end])
+
+        return read
 
     def page_info(self, page: int) -> PageInfo:
         return self._info(page)

@@ -32,11 +32,13 @@ from semkv.models.adapters import (
     apply_rope_rolled,
     rope_sin_signed,
 )
-from semkv.models.cache import DecodeArena, KVCache, cast, row_bytes
+from semkv.models.cache import DecodeArena, KVCache, SharedPrefix, cast, row_bytes
 from semkv.models.kernels import (
     GemmPlans,
+    PrefixPiece,
     attention,
     batched_decode_attention,
+    batched_decode_with_prefixes,
     decode_products,
     uses_gemm_kernels,
 )
@@ -194,6 +196,36 @@ STRAGGLER_LENGTH = 2.0
 
 
 @dataclass(frozen=True)
+class PrefixGroup:
+    """The sequences of a decode step that read one :class:`SharedPrefix`: members [g] their rows in the
+    step's attention batch (None: every row, in order); bias [g, 1, 1, P] additive (0 / -inf) hiding the
+    prefix rows past a member's ``base`` (it reads only the first rows of a longer prefix), or None."""
+
+    prefix: SharedPrefix
+    members: Tensor | None
+    bias: Tensor | None
+
+    @classmethod
+    def of(
+        cls, prefix: SharedPrefix, rows: list[int], bases: list[int], batch: int, dtype: torch.dtype
+    ) -> PrefixGroup:
+        """The group of the sequences at ``rows`` (of a batch of ``batch``) reading ``bases`` rows of
+        ``prefix`` each."""
+        device = prefix.k_rot[0].device
+        members = None if rows == list(range(batch)) else torch.tensor(rows, device=device)
+        bias = None
+        if any(base < prefix.rows for base in bases):
+            hidden = torch.arange(prefix.rows, device=device) >= torch.tensor(bases, device=device)[:, None]
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            bias = bias.view(len(rows), 1, 1, prefix.rows)
+        return cls(prefix, members, bias)
+
+    def piece(self, layer: int) -> PrefixPiece:
+        """What :func:`~semkv.models.kernels.batched_decode_with_prefixes` reads of ``layer``."""
+        return PrefixPiece(self.prefix.k_rot[layer], self.prefix.v[layer], self.members, self.bias)
+
+
+@dataclass(frozen=True)
 class SharedStep:
     """The sequences of one decode step that attend together over their :class:`DecodeArena` slots.
 
@@ -202,7 +234,9 @@ class SharedStep:
     member slots relative to ``lo``; width: key rows per slot attended over; bias: [hi - lo, 1, 1, width]
     (0 / -inf: rows past each slot's length) or None; span: the largest distance from a member's first
     key position to its query (a window layer covers every key when span < window); slot_order: member
-    j is in slot lo + j (no reordering needed); everyone: the members are the whole batch.
+    j is in slot lo + j (no reordering needed); everyone: the members are the whole batch. A member
+    reading a shared prefix holds its own rows in its slot (``rows`` and the mask count own rows);
+    prefixes: a :class:`PrefixGroup` for each prefix members read (members as slots relative to ``lo``).
     """
 
     members: Tensor
@@ -217,6 +251,7 @@ class SharedStep:
     span: int
     slot_order: bool
     everyone: bool
+    prefixes: tuple[PrefixGroup, ...] = ()
 
     def covers(self, window: int | None) -> bool:
         """Every member's query sees all its keys on a layer with this window."""
@@ -300,9 +335,12 @@ class Runtime:
 
     def kv_held_bytes(self) -> int:
         """KV bytes held now: the decode arena's buffers (every slot, free or not, at its full capacity)
-        plus the own buffers of the live caches not bound to it."""
+        plus the own buffers of the live caches not bound to it, plus each shared prefix they read once."""
         arena = self.arena.nbytes() if self.arena is not None else 0
-        return arena + sum(cache.held_bytes() for cache in list(self.caches))
+        caches = list(self.caches)
+        prefixes = {id(cache.prefix): cache.prefix for cache in caches if cache.prefix is not None}
+        shared = sum(prefix.nbytes() for prefix in prefixes.values())
+        return arena + shared + sum(cache.held_bytes() for cache in caches)
 
     def kv_bytes_to_claim(self, capacities: list[int]) -> int:
         """How much :meth:`kv_held_bytes` grows if caches of these capacities are made now, in this order,
@@ -553,7 +591,10 @@ class Runtime:
         CPU in bf16 / fp16, when every row precedes the new one (``ordered``: positions in order, the new
         row last) and the padding is at most a quarter of the rows, the whole buffer is read with the rows
         past the length masked (finite: :meth:`KVCache.reserve` zeroes them; an arena slot's are zeros or
-        another sequence's rows). A buffer may have more rows than the cache's capacity (an arena slot)."""
+        another sequence's rows). A buffer may have more rows than the cache's capacity (an arena slot).
+        None for a cache reading a shared prefix (its rows are two pieces)."""
+        if cache.prefix is not None:
+            return None
         rows = cache.k_rot[0].shape[1]
         if not (
             uses_gemm_kernels(self.device, self.compute_dtype) and ordered and 4 * rows <= 5 * cache.length
@@ -742,6 +783,10 @@ class DecodePass:
     ) -> None:
         self.runtime, self.caches, self.token_ids, self.gatherers = runtime, caches, token_ids, gatherers
         self.layers = runtime.num_layers
+        for cache, gatherer in zip(caches, gatherers, strict=True):
+            # a prefix no other sequence reads is copied in: one piece of attention is faster than two
+            if cache.prefix is not None and (gatherer is not None or not cache.prefix.held_by_others(cache)):
+                cache.unshare()
         self.slots = [cache.append_next(token) for cache, token in zip(caches, token_ids, strict=True)]
         self.q_pos = torch.cat(
             [cache.positions[row : row + 1] for cache, row in zip(caches, self.slots, strict=True)]
@@ -752,6 +797,7 @@ class DecodePass:
         self.shared = self._shared_step(caches, self.slots, gatherers, self.ordered, kv_limit)
         self.members = set(self.shared.member_list) if self.shared is not None else set()
         self.biases: dict[tuple[int, int | None], Tensor] = {}  # (sequence, window) -> mask of this step
+        self.alone: dict[int, PrefixGroup] = {}  # sequence -> its prefix, when it attends on its own
         self.whole = [  # the arena's members attend together (or, on window layers, over their window)
             None if i in self.members else runtime.whole_buffers(cache, self.ordered[i])
             for i, cache in enumerate(caches)
@@ -794,6 +840,8 @@ class DecodePass:
             picked = gatherer.gather(layer, q_rot, cache)
             if picked is not None:
                 return self._gathered_attention(layer, q_rot, self.q_pos[one], picked)
+        if cache.prefix is not None:
+            return self._prefix_attention(layer, i, q_rot)
         span = self.whole[i]
         if span is not None and a.window(layer) is None and span.fits(cache, layer):
             return decode_products(q_rot * a.scaling(layer), cache.k_rot[layer], cache.v[layer], span.bias)
@@ -807,6 +855,40 @@ class DecodePass:
             self.k_pos[i],
             a.scaling(layer),
             a.window(layer),
+            ordered=self.ordered[i],
+        )
+
+    def _prefix_attention(self, layer: int, i: int, q_rot: Tensor) -> Tensor:
+        """Attention [1, nh * d] of sequence ``i``'s new row (q_rot [nh, 1, d]) over a cache that reads a
+        shared prefix: over both pieces in one softmax when every key is seen, else over the rows the
+        window can reach (the last ``window`` rows of an in-order cache) with a mask from positions."""
+        a, cache = self.runtime.adapter, self.caches[i]
+        prefix = cache.prefix
+        assert prefix is not None
+        window = a.window(layer)
+        if self.ordered[i] and (window is None or cache.position_span() < window):
+            own = cache.own_length
+            group = self.alone.get(i)
+            if group is None:
+                group = PrefixGroup.of(prefix, [0], [cache.base], 1, self.runtime.compute_dtype)
+                self.alone[i] = group
+            return batched_decode_with_prefixes(
+                q_rot.transpose(0, 1) * a.scaling(layer),
+                cache.own_k_rot[layer][:, :own].unsqueeze(0),
+                cache.own_v[layer][:, :own].unsqueeze(0),
+                None,
+                [group.piece(layer)],
+            )
+        first = max(0, cache.length - window) if self.ordered[i] and window is not None else 0
+        keys, values = cache.kv_rows(layer, first)
+        return attention(
+            q_rot,
+            keys,
+            values,
+            self.q_pos[i : i + 1],
+            self.k_pos[i][first:],
+            a.scaling(layer),
+            window,
             ordered=self.ordered[i],
         )
 
@@ -886,7 +968,7 @@ class DecodePass:
             return None
         slots = [slot for slot in placed if slot is not None]
         lo, hi = min(slots), max(slots) + 1
-        lengths = [caches[i].length for i in members]
+        lengths = [caches[i].own_length for i in members]
         longest = max(lengths)
         # A whole slot is one contiguous matrix per head, which the matmul reads without a copy: worth
         # reading up to a quarter more (padded) rows for.
@@ -900,11 +982,19 @@ class DecodePass:
             bias = torch.zeros(hidden.shape, dtype=self.runtime.compute_dtype, device=self.runtime.device)
             bias = bias.masked_fill_(hidden, float("-inf")).view(hi - lo, 1, 1, width)
         span = max(caches[i].position_span() for i in members)
+        groups: dict[int, tuple[SharedPrefix, list[int], list[int]]] = {}
+        for i, slot in zip(members, slots, strict=True):
+            prefix = caches[i].prefix
+            if prefix is not None:
+                group = groups.setdefault(id(prefix), (prefix, [], []))
+                group[1].append(slot - lo)
+                group[2].append(caches[i].base)
+        dtype = self.runtime.compute_dtype
         return SharedStep(
             members=torch.tensor(members, device=self.runtime.device),
             member_list=members,
             slots=torch.tensor(slots, device=self.runtime.device),
-            rows=torch.tensor([rows[i] for i in members], device=self.runtime.device),
+            rows=torch.tensor([rows[i] - caches[i].base for i in members], device=self.runtime.device),
             lo=lo,
             hi=hi,
             pick=pick,
@@ -913,6 +1003,7 @@ class DecodePass:
             span=span,
             slot_order=slots == list(range(lo, hi)),
             everyone=members == list(range(len(caches))),
+            prefixes=tuple(PrefixGroup.of(*group, hi - lo, dtype) for group in groups.values()),
         )
 
     def _shared_attention(
@@ -945,9 +1036,12 @@ class DecodePass:
             padded[shared.pick] = queries
             queries = padded
         width = slice(0, shared.width)
-        got = batched_decode_attention(
-            queries, arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width], shared.bias
-        )
+        keys, values = arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width]
+        if shared.prefixes:
+            pieces = [group.piece(layer) for group in shared.prefixes]
+            got = batched_decode_with_prefixes(queries, keys, values, shared.bias, pieces)
+        else:
+            got = batched_decode_attention(queries, keys, values, shared.bias)
         return got if shared.slot_order else got[shared.pick]
 
 

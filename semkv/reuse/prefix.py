@@ -218,18 +218,25 @@ def pooled_summaries(pool: PagePool, pages: list[int], num_tokens: int) -> list[
 
 
 def load_stored_prefix(
-    ctx: PrefillContext, cache: KVCache, prefix: StoredPrefix, num_tokens: int
+    ctx: PrefillContext, cache: KVCache, prefix: StoredPrefix, num_tokens: int, share: bool = False
 ) -> list[dict[str, Tensor]]:
     """Append the prefix's first ``num_tokens`` rows to the empty ``cache``: the pooled pages' rows in
     bulk (:meth:`PagePool.read`: plain copies, the rows are in the cache's own format), then the store
-    blocks' rows (re-rotated from their pre-RoPE keys). Releases the pages' lease. Returns the summaries
-    of the leading fully loaded blocks."""
+    blocks' rows (re-rotated from their pre-RoPE keys). ``share``, when the pool holds the whole
+    prefix: the cache reads it shared with every other live cache that starts with it
+    (:meth:`PagePool.shared_prefix`; no copy of its own); a path that rewrites rows leaves it off. Releases the pages' lease. Returns the summaries of the leading fully loaded
+    blocks."""
     pool = ctx.runtime.page_pool
     pooled = min(num_tokens, prefix.pooled_blocks * ctx.block_size)
     summaries: list[dict[str, Tensor]] = []
     try:
         if pooled and pool is not None and prefix.lease is not None:
-            pool.read(prefix.lease.pages, cache, pooled)
+            if share and pooled == num_tokens and not cache.length and pool.fits(cache):
+                shared, readable = pool.shared_prefix(prefix.lease.pages, pooled)
+                cache.share_prefix(shared, readable)
+                pool.read(prefix.lease.pages, cache, pooled, skip=readable)
+            else:
+                pool.read(prefix.lease.pages, cache, pooled)
             summaries = pooled_summaries(pool, prefix.lease.pages, pooled)
     finally:
         prefix.release()
@@ -386,7 +393,7 @@ class PrefixReuse:
     def load(self, ctx: PrefillContext, plan: Plan, cache: KVCache) -> LoadedRows:
         """The stored prefix's rows (the plan's ``reused_tokens``) and the summaries they carry."""
         assert isinstance(plan, PrefixPlan)
-        summaries = load_stored_prefix(ctx, cache, plan.prefix, plan.reused_tokens)
+        summaries = load_stored_prefix(ctx, cache, plan.prefix, plan.reused_tokens, share=True)
         info = {"prefix_blocks": plan.prefix.num_blocks, "pooled_blocks": plan.prefix.pooled_blocks}
         return LoadedRows(info, summaries)
 

@@ -91,8 +91,8 @@ def test_bad_reads_and_writes_are_errors():
         pool.write([0, 1], source, BLOCK)
     pool.write([0, 1], source, 0)
     publish(pool, [0, 1], source)
-    with pytest.raises(ValueError, match="must be empty"):
+    with pytest.raises(ValueError, match="must hold 0 rows"):
         pool.read([0], source, BLOCK)
-    with pytest.raises(ValueError, match="rows asked"):
+    with pytest.raises(ValueError, match=f"rows 0..{BLOCK + 1} asked"):
         pool.read([0], KVCache(LAYERS, HEADS, DIM, 1, torch.float32, torch.float32), BLOCK + 1)
     assert pool.nbytes() == 2 * pool.layout.page_bytes
