@@ -42,6 +42,7 @@ from semkv.models.kernels import (
     decode_products,
     uses_gemm_kernels,
 )
+from semkv.models.linear import prepacks
 from semkv.models.page_pool import PageLayout, PagePool
 from semkv.models.precision import cast_model
 
@@ -473,13 +474,18 @@ class Runtime:
         when the pass stopped early (a probe past its last layer).
         """
         a = self.adapter
+        bucket = getattr(layer_pass, "bucket_rows", False) and prepacks(self.device, self.compute_dtype)
         for layer in range(layer_pass.layers):
-            q, k, v = a.qkv(layer, hidden)
+            rows = hidden.shape[0]
+            q, k, v = a.qkv(layer, _padded_rows(hidden, bucket))
+            if q.shape[1] != rows:
+                q, k, v = q[:, :rows], k[:, :rows], v[:, :rows]
             stepped = layer_pass.step(layer, hidden, q, k, v)
             if stepped is None:
                 return None
             hidden, out = stepped
-            hidden = a.finish_layer(layer, hidden, out)
+            rows = hidden.shape[0]
+            hidden = a.finish_layer(layer, _padded_rows(hidden, bucket), _padded_rows(out, bucket))[:rows]
         return hidden
 
     @torch.inference_mode()
@@ -615,7 +621,7 @@ class Runtime:
 
 class LayerPass(Protocol):
     """One forward through the layers, run by :meth:`Runtime.run_layers`: what each layer writes, which
-    rows go on, and what they attend to."""
+    rows go on, and what they attend to. A pass may set ``bucket_rows`` (see :data:`ROW_BUCKET`)."""
 
     layers: int  # layers run, from layer 0
 
@@ -679,6 +685,7 @@ class RowsPass:
         self.stop_after = stop_after
         self.layers = a.num_layers if stop_after is None else min(stop_after, a.num_layers - 1) + 1
         self.plans = GemmPlans()
+        self.bucket_rows = selector is not None  # rows change from layer to layer (see ROW_BUCKET)
         self.last_kept: Tensor | None = None  # [] bool on the device: the selector kept the last row so far
 
     def first_hidden(self) -> Tensor:
@@ -1043,6 +1050,26 @@ class DecodePass:
         else:
             got = batched_decode_attention(queries, keys, values, shared.bias)
         return got if shared.slot_order else got[shared.pick]
+
+
+# A pass whose rows change from layer to layer (a blend's or share's recompute) sets ``bucket_rows``: where
+# the projections are packed oneDNN matmuls (CPU bf16 / fp16), their inputs are padded with zero rows to a
+# multiple of this many rows (the outputs of the real rows are sliced back). oneDNN builds a kernel for
+# each new row count on its first use (about a millisecond for each projection), so a first recompute
+# whose per-layer row counts were never seen paid for dozens of them; padded, the counts come from a small
+# set that earlier requests already built. Row-wise operations only: padding changes no real row's rows.
+ROW_BUCKET = 32
+
+
+def _padded_rows(x: Tensor, bucket: bool) -> Tensor:
+    """``x`` [R, ...] with zero rows appended up to a multiple of :data:`ROW_BUCKET` (``bucket`` and more than
+    one bucket's worth of rows), else ``x``."""
+    rows = x.shape[0]
+    if not bucket or rows <= ROW_BUCKET or rows % ROW_BUCKET == 0:
+        return x
+    padded = x.new_zeros((-(-rows // ROW_BUCKET) * ROW_BUCKET, *x.shape[1:]))
+    padded[:rows] = x
+    return padded
 
 
 def _without_stragglers(lengths: list[int], members: list[int]) -> list[int]:
