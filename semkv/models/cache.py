@@ -391,8 +391,9 @@ class KVCache:
 
     # -- rows ----------------------------------------------------------------------------------
     def _own_rows(self, rows: Tensor | slice) -> Tensor | slice:
-        """``rows`` (cache rows, all at or past ``base``) as indices into the own buffers; copies the shared
-        prefix in (and returns ``rows`` as they are) when some fall below ``base``."""
+        """``rows`` (cache rows) as indices into the own buffers: a contiguous slice at or past ``base``
+        shifted by it; anything else (a slice reaching below ``base``, an index tensor, which would need a
+        device read to check) copies the shared prefix in first and is returned as it is."""
         base = self.base
         if not base:
             return rows
@@ -401,8 +402,6 @@ class KVCache:
             if start >= base and rows.step in (None, 1):
                 stop = None if rows.stop is None else rows.stop - base
                 return slice(start - base, stop)
-        elif rows.numel() and bool(rows.min() >= base):
-            return rows - base
         self.unshare()
         return rows
 

@@ -21,8 +21,8 @@ namespace (:func:`semkv.store.keys.prefix_block_keys`), so a tenant reaches only
 handed out again is overwritten whole before it is indexed under its new key.
 
 Running sequences that hit the same pooled prefix share its rows: :meth:`PagePool.shared_prefix` gathers
-the pages once into a :class:`~semkv.models.cache.SharedPrefix` that every cache starting with that prefix
-reads while it lives (kept weakly, keyed by the last page's key and the row count). A cache that must
+the pages once into a :class:`~semkv.models.cache.SharedPrefix` that every cache starting with those pages
+reads while it lives (kept weakly under the key of every whole page it holds). A cache that must
 change a prefix row copies the prefix in first (copy-on-write of the whole prefix), and a cache left
 alone with it copies it in before decoding (one piece of attention is faster than two; docs/design.md).
 """

@@ -196,6 +196,13 @@ SHARED_BATCH_MIN = 2  # dense in-order sequences in a decode step for them to sh
 STRAGGLER_LENGTH = 2.0
 
 
+def rows_past_bias(seen: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """Additive mask [n, width] in ``dtype`` on ``seen``'s device: 0 for the first ``seen[i]`` rows of
+    sequence i ([n]), -inf for the rows after them."""
+    hidden = torch.arange(width, device=seen.device).unsqueeze(0) >= seen.unsqueeze(1)
+    return torch.zeros(hidden.shape, dtype=dtype, device=seen.device).masked_fill_(hidden, float("-inf"))
+
+
 @dataclass(frozen=True)
 class PrefixGroup:
     """The sequences of a decode step that read one :class:`SharedPrefix`: members [g] their rows in the
@@ -216,8 +223,7 @@ class PrefixGroup:
         members = None if rows == list(range(batch)) else torch.tensor(rows, device=device)
         bias = None
         if any(base < prefix.rows for base in bases):
-            hidden = torch.arange(prefix.rows, device=device) >= torch.tensor(bases, device=device)[:, None]
-            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            bias = rows_past_bias(torch.tensor(bases, device=device), prefix.rows, dtype)
             bias = bias.view(len(rows), 1, 1, prefix.rows)
         return cls(prefix, members, bias)
 
@@ -985,9 +991,7 @@ class DecodePass:
         seen[pick] = torch.tensor(lengths, device=self.runtime.device)
         bias = None
         if any(length < width for length in lengths):  # host lengths: no device read
-            hidden = torch.arange(width, device=self.runtime.device).unsqueeze(0) >= seen.unsqueeze(1)
-            bias = torch.zeros(hidden.shape, dtype=self.runtime.compute_dtype, device=self.runtime.device)
-            bias = bias.masked_fill_(hidden, float("-inf")).view(hi - lo, 1, 1, width)
+            bias = rows_past_bias(seen, width, self.runtime.compute_dtype).view(hi - lo, 1, 1, width)
         span = max(caches[i].position_span() for i in members)
         groups: dict[int, tuple[SharedPrefix, list[int], list[int]]] = {}
         for i, slot in zip(members, slots, strict=True):

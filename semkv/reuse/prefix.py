@@ -224,8 +224,8 @@ def load_stored_prefix(
     bulk (:meth:`PagePool.read`: plain copies, the rows are in the cache's own format), then the store
     blocks' rows (re-rotated from their pre-RoPE keys). ``share``, when the pool holds the whole
     prefix: the cache reads it shared with every other live cache that starts with it
-    (:meth:`PagePool.shared_prefix`; no copy of its own); a path that rewrites rows leaves it off. Releases the pages' lease. Returns the summaries of the leading fully loaded
-    blocks."""
+    (:meth:`PagePool.shared_prefix`; no copy of its own); a path that rewrites rows leaves it off.
+    Releases the pages' lease. Returns the summaries of the leading fully loaded blocks."""
     pool = ctx.runtime.page_pool
     pooled = min(num_tokens, prefix.pooled_blocks * ctx.block_size)
     summaries: list[dict[str, Tensor]] = []
