@@ -468,7 +468,8 @@ class Engine:
                 plan=plan,
                 refusals=refusals,
                 cache=self.runtime.new_cache(
-                    resolved.prompt_tokens + resolved.max_new_tokens, claim_slot=True
+                    self.runtime.request_capacity(resolved.prompt_tokens, resolved.max_new_tokens),
+                    claim_slot=True,
                 ),
                 sparse=sparse,
                 kv_budget=resolved.kv_budget,

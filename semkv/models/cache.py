@@ -425,13 +425,22 @@ class KVCache:
         own = self._own_rows(rows)
         return self._k_pre[layer][:, own], self._k_rot[layer][:, own], self._v[layer][:, own]
 
-    def keys(self, layer: int) -> Tensor:
-        """Rotated keys of valid rows [kvh, length, d] (with a shared prefix: a new tensor of both pieces)."""
-        return self._rows_of("k_rot", layer, 0, self.length)
+    def keys(self, layer: int, rows: int | None = None) -> Tensor:
+        """Rotated keys of the first ``rows`` rows [kvh, rows, d] (default: the valid ones; up to the
+        capacity, rows past the length being finite leftovers for a caller that masks them; with a shared
+        prefix: a new tensor of both pieces)."""
+        return self._rows_of("k_rot", layer, 0, self.length if rows is None else self._readable(rows))
 
-    def values(self, layer: int) -> Tensor:
-        """Values of valid rows [kvh, length, d] (compute dtype; with a shared prefix, a new tensor)."""
-        return self._rows_of("v", layer, 0, self.length)
+    def values(self, layer: int, rows: int | None = None) -> Tensor:
+        """Values of the first ``rows`` rows [kvh, rows, d] (compute dtype; as :meth:`keys`)."""
+        return self._rows_of("v", layer, 0, self.length if rows is None else self._readable(rows))
+
+    def _readable(self, rows: int) -> int:
+        if not self.length <= rows <= self.capacity:
+            raise ValueError(
+                f"{rows} rows asked of a cache of {self.length} valid rows, {self.capacity} capacity"
+            )
+        return rows
 
     def valid_positions(self) -> Tensor:
         return self.positions[: self.length]

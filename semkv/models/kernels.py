@@ -232,6 +232,7 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor
 GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (the best group size on CPU)
 GEMM_WINDOW_SPAN = 1.0  # on window layers, a query group spans fewer positions than this x the window
 GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of this many keys
+GEMM_QUERY_BUCKET = 16  # a group's queries are padded to a multiple of this many (see _padded_group)
 
 
 def gemm_attention(
@@ -276,16 +277,37 @@ def gemm_attention(
     # [kvh, Tq, rep, d]: a group's queries of one KV head are one contiguous [n * rep, d] matrix
     rows = q.view(kvh, rep, tq, d).transpose(1, 2).contiguous()
     out = q.new_empty(kvh, tq, rep, d)
+    padded = _padded_queries(rows, max(a + _bucketed_count(b - a) for a, b, *_ in plan.groups))
     for a, b, lo, hi, biases in plan.groups:
-        n = b - a
+        n, m = b - a, _bucketed_count(b - a)  # rows computed: the group's first
         for h in range(kvh):
-            scores = torch.mm(rows[h, a:b].view(n * rep, d), k[h, lo:hi].t())  # [n * rep, hi - lo]
-            grid = scores.view(n, rep, hi - lo)
+            scores = torch.mm(padded[h, a : a + m].view(m * rep, d), k[h, lo:hi].t())  # [m * rep, hi - lo]
+            grid = scores[: n * rep].view(n, rep, hi - lo)
             for c0, c1, bias in biases:
                 grid[..., c0:c1] += bias.unsqueeze(1)
             probs = torch.softmax(scores, dim=-1)
-            out[h, a:b] = torch.mm(probs, v[h, lo:hi]).view(n, rep, d)
+            out[h, a:b] = torch.mm(probs, v[h, lo:hi])[: n * rep].view(n, rep, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
+
+
+def _bucketed_count(n: int) -> int:
+    """``n`` queries rounded up to a multiple of :data:`GEMM_QUERY_BUCKET`."""
+    return -(-n // GEMM_QUERY_BUCKET) * GEMM_QUERY_BUCKET
+
+
+def _padded_queries(rows: Tensor, count: int) -> Tensor:
+    """``rows`` [kvh, Tq, rep, d] with zero queries appended up to ``count`` rows.
+
+    A group of n queries is computed as the m = :func:`_bucketed_count` (n) rows from its first (the
+    rows after it, or these zeros, computed and dropped): oneDNN builds a kernel per matmul shape, and a
+    group's query count changes from layer to layer and request to request where rows are selected
+    (blend, share) or a prompt ends, while rounded counts repeat. Each output row of a matmul depends
+    only on its own row.
+    """
+    extra = count - rows.shape[1]
+    if extra <= 0:
+        return rows
+    return torch.cat((rows, rows.new_zeros((rows.shape[0], extra, *rows.shape[2:]))), dim=1)
 
 
 @dataclass(frozen=True)
@@ -384,19 +406,18 @@ def _gemm_pieces(
     for lo, hi, full, win in zip(los, his, seen_by_all, inside, strict=True):
         m0 = min(max(win, lo), hi)
         m1 = min(max(full, m0), hi)
-        if window is not None:  # the widening is masked: keys past hi are later than every query
-            lo, hi = _bucketed(lo, hi, tk)
+        lo, hi = _bucketed(lo, hi, tk)  # the widening is masked: keys past hi are later than every query
         pieces.append((lo, hi, [(c0, c1) for c0, c1 in ((lo, m0), (m1, hi)) if c1 > c0]))
     return pieces
 
 
 def _bucketed(lo: int, hi: int, tk: int) -> tuple[int, int]:
     """The key range [lo, hi) of ``tk`` keys widened to a multiple of :data:`GEMM_KEY_BUCKET` keys (past
-    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape; a
-    window layer's groups of scattered rows (a blend's recompute) read a new number of keys for nearly
-    every group of every request, while bucketed widths repeat across requests and come from its cache.
-    Only window layers: a global layer's groups of a blend end at the last key anyway (a width that
-    changes with the prompt), and widening its early groups bought nothing measurable."""
+    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape
+    (on AMX CPUs 1-5 ms each, several times the product itself): scattered rows (a blend's or share's
+    recompute) read a new number of keys for nearly every group of every request, while bucketed widths
+    repeat across requests and come from its cache. A group that ends at the last key is widened past it
+    only when the caller hands over keys past the valid ones (masked: see :func:`gemm_attention`)."""
     width = min(tk, -(-(hi - lo) // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
     hi = min(tk, lo + width)
     return hi - width, hi

@@ -34,6 +34,7 @@ from semkv.models.adapters import (
 )
 from semkv.models.cache import DecodeArena, KVCache, SharedPrefix, cast, row_bytes
 from semkv.models.kernels import (
+    GEMM_KEY_BUCKET,
     GemmPlans,
     PrefixPiece,
     attention,
@@ -392,6 +393,26 @@ class Runtime:
             self.arena.claim(cache, capacity)
         return self.track(cache)
 
+    def request_capacity(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The capacity to give a request's cache: its prompt and new tokens, and where attention runs as
+        matmul kernels at least the prompt rounded up to a multiple of :data:`GEMM_KEY_BUCKET`, so the
+        prompt's forward passes read whole buckets of keys (:meth:`attended_rows`)."""
+        rows = prompt_tokens + max_new_tokens
+        if not uses_gemm_kernels(self.device, self.compute_dtype):
+            return rows
+        return max(rows, -(-prompt_tokens // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
+
+    def attended_rows(self, cache: KVCache) -> int:
+        """Rows of ``cache`` a forward's attention reads: with the matmul kernels, its length rounded up to a
+        multiple of :data:`GEMM_KEY_BUCKET` where the capacity holds that many (the rows past the length
+        masked by :func:`padded_positions`), so the last query group's key range, which ends at the last
+        row, has a width that repeats across prompts (oneDNN builds a kernel per new matmul shape); else
+        its length."""
+        if not uses_gemm_kernels(self.device, self.compute_dtype):
+            return cache.length
+        rows = -(-cache.length // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET
+        return rows if rows <= cache.capacity else cache.length
+
     def rope_tables(self, positions: Tensor) -> RopeTables:
         """Float32 rotary tables of ``positions``: RoPE is applied in fp32 and rounded once."""
         return RopeTables(self.adapter, positions, torch.empty(0, device=self.device))
@@ -687,6 +708,9 @@ class RowsPass:
         )
         self.observer = cache.query_observer
         self.attend: Attention = attend or getattr(selector, "attention", None) or attention
+        # the default kernel reads keys past the valid rows, masked, so its matmul shapes repeat
+        self.key_rows = runtime.attended_rows(cache) if self.attend is attention else cache.length
+        self.attended_pos = padded_positions(self.k_pos, self.key_rows)
         self.compares_cached = getattr(selector, "compares_cached", True)
         self.stop_after = stop_after
         self.layers = a.num_layers if stop_after is None else min(stop_after, a.num_layers - 1) + 1
@@ -722,10 +746,10 @@ class RowsPass:
             self.fresh_prefix = False
         out = self.attend(
             runtime.rotated_queries(q, cos, sin),
-            cache.keys(layer),
-            cache.values(layer),
+            cache.keys(layer, self.key_rows),
+            cache.values(layer, self.key_rows),
             self.q_pos,
-            self.k_pos,
+            self.attended_pos,
             a.scaling(layer),
             a.window(layer),
             causal_prefix=self.fresh_prefix,
@@ -1062,6 +1086,18 @@ class DecodePass:
 # each new row count on its first use (about a millisecond for each projection), so a first recompute
 # whose per-layer row counts were never seen paid for dozens of them; padded, the counts come from a small
 # set that earlier requests already built. Row-wise operations only: padding changes no real row's rows.
+PAST_EVERY_POSITION = 1 << 40  # the position given to rows read past a cache's length (later than any query)
+
+
+def padded_positions(k_pos: Tensor, rows: int) -> Tensor:
+    """Key positions [T] extended to ``rows`` with :data:`PAST_EVERY_POSITION` (so a causal mask hides
+    the rows past the valid ones and the positions stay in order)."""
+    extra = rows - k_pos.shape[0]
+    if extra <= 0:
+        return k_pos
+    return torch.cat((k_pos, k_pos.new_full((extra,), PAST_EVERY_POSITION)))
+
+
 ROW_BUCKET = 32
 
 
