@@ -551,27 +551,35 @@ class Engine:
     def _summarise(self, cache, outcome: PrefillOutcome, now: bool = True) -> tuple[BlockIndex, float]:
         """The block summaries of a freshly prefilled cache: those the reused blocks carried, the rest
         computed from the rows, now (``now``: a sparse decode then starts with every prompt block
-        summarised) or later by :meth:`_summarise_prompt` (a dense request: after its first token).
+        summarised) or later by :meth:`_summarise_prompt` (a dense request: after its first token; the
+        carried ones are kept aside till then, and never inserted if nothing needs them).
         Returns the index and the seconds spent (part of the TTFT)."""
         start = time.perf_counter()
         blocks = BlockIndex(cache, self.config.block_size)
-        try:
-            blocks.insert_many(outcome.stored_summaries)
-        except ValueError as exc:  # stored by another version: summarise the rows instead
-            log.warning("recomputing block summaries: %s", exc)
+        blocks.insert_later(outcome.stored_summaries)
         if now:
+            self._insert_carried(blocks)
             blocks.add_blocks()
         outcome.summaries = blocks
         return blocks, time.perf_counter() - start
 
+    @staticmethod
+    def _insert_carried(blocks: BlockIndex) -> None:
+        try:
+            blocks.insert_pending()
+        except ValueError as exc:  # stored by another version: summarise the rows instead
+            log.warning("recomputing block summaries: %s", exc)
+
     def _summarise_prompt(self, seq: Sequence) -> None:
         """Summarise the prompt blocks a dense request's prefill left for later (before its prompt is
-        stored or it is forked); the seconds are added to ``seq.summarise_s``."""
+        stored or it is forked): the reused blocks' carried summaries, the rest from the rows; the
+        seconds are added to ``seq.summarise_s``."""
         if seq.blocks is None:
             return
         prompt_blocks = len(seq.layout) // self.config.block_size
         if seq.blocks.num_complete < prompt_blocks:
             start = time.perf_counter()
+            self._insert_carried(seq.blocks)
             seq.blocks.add_blocks(prompt_blocks)
             seq.summarise_s += time.perf_counter() - start
 

@@ -72,6 +72,7 @@ class BlockIndex:
         self.computed_blocks = 0  # blocks summarised from rows (not inserted from the store)
         self._summaries: dict[str, Tensor] = {}
         self._chunks: Tensor | None = None  # [L, kvh, capacity chunks, d] chunk mean rotated keys
+        self._pending: list[Mapping[str, Tensor]] = []  # carried summaries not inserted yet (insert_later)
         self._variance: Tensor | None = None
 
     # -- writing ------------------------------------------------------------------------------------
@@ -138,6 +139,16 @@ class BlockIndex:
         [L, kvh]); a ValueError if a kind is missing or misshapen (the caller then summarises the rows)."""
         self.insert_many([summaries])
 
+    def insert_later(self, blocks: Sequence[Mapping[str, Tensor]]) -> None:
+        """Keep the next blocks' summaries (as :meth:`insert_many` takes them) for :meth:`insert_pending`:
+        a dense request's first token needs none of them."""
+        self._pending = list(blocks)
+
+    def insert_pending(self) -> int:
+        """:meth:`insert_many` of the summaries kept by :meth:`insert_later` (once; nothing kept: 0)."""
+        pending, self._pending = self._pending, []
+        return self.insert_many(pending) if pending else 0
+
     def insert_many(self, blocks: Sequence[Mapping[str, Tensor]]) -> int:
         """Append the next blocks' summaries (each as :meth:`insert` takes them) in one write per kind;
         the valid leading ones are inserted and a ValueError names the first invalid one. Returns the
@@ -180,6 +191,7 @@ class BlockIndex:
         other.computed_blocks = self.computed_blocks
         other._summaries = {k: t.clone() for k, t in self._summaries.items()}
         other._chunks = None if self._chunks is None else self._chunks.clone()
+        other._pending = list(self._pending)
         return other
 
     # -- reading ------------------------------------------------------------------------------------
