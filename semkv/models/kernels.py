@@ -413,10 +413,10 @@ def _gemm_pieces(
 
 def _bucketed(lo: int, hi: int, tk: int) -> tuple[int, int]:
     """The key range [lo, hi) of ``tk`` keys widened to a multiple of :data:`GEMM_KEY_BUCKET` keys (past
-    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape
-    (on AMX CPUs 1-5 ms each, several times the product itself): scattered rows (a blend's or share's
-    recompute) read a new number of keys for nearly every group of every request, while bucketed widths
-    repeat across requests and come from its cache. A group that ends at the last key is widened past it
+    hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape (on
+    AMX CPUs several times the product itself: docs/benchmarks.md, share): scattered rows (a blend's or
+    share's recompute) read a new number of keys for nearly every group of every request, while bucketed
+    widths repeat across requests and come from its cache. A group that ends at the last key is widened past it
     only when the caller hands over keys past the valid ones (masked: see :func:`gemm_attention`)."""
     width = min(tk, -(-(hi - lo) // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
     hi = min(tk, lo + width)
