@@ -232,7 +232,7 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor
 GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (the best group size on CPU)
 GEMM_WINDOW_SPAN = 1.0  # on window layers, a query group spans fewer positions than this x the window
 GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of this many keys
-GEMM_QUERY_BUCKET = 16  # a group's queries are padded to a multiple of this many (see _padded_group)
+GEMM_QUERY_BUCKET = 16  # a group's queries are computed as a multiple of this many (see _group_queries)
 
 
 def gemm_attention(
@@ -277,11 +277,11 @@ def gemm_attention(
     # [kvh, Tq, rep, d]: a group's queries of one KV head are one contiguous [n * rep, d] matrix
     rows = q.view(kvh, rep, tq, d).transpose(1, 2).contiguous()
     out = q.new_empty(kvh, tq, rep, d)
-    padded = _padded_queries(rows, max(a + _bucketed_count(b - a) for a, b, *_ in plan.groups))
     for a, b, lo, hi, biases in plan.groups:
-        n, m = b - a, _bucketed_count(b - a)  # rows computed: the group's first
+        n, m = b - a, round_up(b - a, GEMM_QUERY_BUCKET)  # rows computed: the group's first
+        group = _group_queries(rows, a, m)
         for h in range(kvh):
-            scores = torch.mm(padded[h, a : a + m].view(m * rep, d), k[h, lo:hi].t())  # [m * rep, hi - lo]
+            scores = torch.mm(group[h].view(m * rep, d), k[h, lo:hi].t())  # [m * rep, hi - lo]
             grid = scores[: n * rep].view(n, rep, hi - lo)
             for c0, c1, bias in biases:
                 grid[..., c0:c1] += bias.unsqueeze(1)
@@ -290,24 +290,26 @@ def gemm_attention(
     return out.transpose(0, 1).reshape(tq, nh * d)
 
 
-def _bucketed_count(n: int) -> int:
-    """``n`` queries rounded up to a multiple of :data:`GEMM_QUERY_BUCKET`."""
-    return -(-n // GEMM_QUERY_BUCKET) * GEMM_QUERY_BUCKET
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
 
 
-def _padded_queries(rows: Tensor, count: int) -> Tensor:
-    """``rows`` [kvh, Tq, rep, d] with zero queries appended up to ``count`` rows.
+def _group_queries(rows: Tensor, first: int, count: int) -> Tensor:
+    """Queries ``first`` .. ``first + count`` of ``rows`` [kvh, Tq, rep, d] -> [kvh, count, rep, d], zeros
+    past the last query (a copy only then).
 
-    A group of n queries is computed as the m = :func:`_bucketed_count` (n) rows from its first (the
-    rows after it, or these zeros, computed and dropped): oneDNN builds a kernel per matmul shape, and a
-    group's query count changes from layer to layer and request to request where rows are selected
-    (blend, share) or a prompt ends, while rounded counts repeat. Each output row of a matmul depends
-    only on its own row.
+    A group of n queries is computed as its first m rows, m = n rounded up to a multiple of
+    :data:`GEMM_QUERY_BUCKET` (the rows after it, or zeros, computed and dropped): oneDNN builds a kernel
+    per matmul shape, and a group's query count changes from layer to layer and request to request where
+    rows are selected (blend, share) or a prompt ends, while rounded counts repeat. Each output row of a
+    matmul depends only on its own row.
     """
-    extra = count - rows.shape[1]
+    group = rows[:, first : first + count]
+    extra = count - group.shape[1]
     if extra <= 0:
-        return rows
-    return torch.cat((rows, rows.new_zeros((rows.shape[0], extra, *rows.shape[2:]))), dim=1)
+        return group
+    return torch.cat((group, group.new_zeros((group.shape[0], extra, *group.shape[2:]))), dim=1)
 
 
 @dataclass(frozen=True)
@@ -416,9 +418,10 @@ def _bucketed(lo: int, hi: int, tk: int) -> tuple[int, int]:
     hi first, then before lo; at most every key). oneDNN compiles a matmul kernel for every new shape (on
     AMX CPUs several times the product itself: docs/benchmarks.md, share): scattered rows (a blend's or
     share's recompute) read a new number of keys for nearly every group of every request, while bucketed
-    widths repeat across requests and come from its cache. A group that ends at the last key is widened past it
-    only when the caller hands over keys past the valid ones (masked: see :func:`gemm_attention`)."""
-    width = min(tk, -(-(hi - lo) // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
+    widths repeat across requests and come from its cache. A group that ends at the last key is widened
+    past it only when the caller hands over keys past the valid ones, at positions past every query (see
+    ``Runtime.attended_rows``)."""
+    width = min(tk, round_up(hi - lo, GEMM_KEY_BUCKET))
     hi = min(tk, lo + width)
     return hi - width, hi
 

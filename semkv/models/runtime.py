@@ -41,6 +41,7 @@ from semkv.models.kernels import (
     batched_decode_attention,
     batched_decode_with_prefixes,
     decode_products,
+    round_up,
     uses_gemm_kernels,
 )
 from semkv.models.linear import prepacks
@@ -400,7 +401,7 @@ class Runtime:
         rows = prompt_tokens + max_new_tokens
         if not uses_gemm_kernels(self.device, self.compute_dtype):
             return rows
-        return max(rows, -(-prompt_tokens // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET)
+        return max(rows, round_up(prompt_tokens, GEMM_KEY_BUCKET))
 
     def attended_rows(self, cache: KVCache) -> int:
         """Rows of ``cache`` a forward's attention reads: with the matmul kernels, its length rounded up to a
@@ -410,7 +411,7 @@ class Runtime:
         its length."""
         if not uses_gemm_kernels(self.device, self.compute_dtype):
             return cache.length
-        rows = -(-cache.length // GEMM_KEY_BUCKET) * GEMM_KEY_BUCKET
+        rows = round_up(cache.length, GEMM_KEY_BUCKET)
         return rows if rows <= cache.capacity else cache.length
 
     def rope_tables(self, positions: Tensor) -> RopeTables:
@@ -1080,12 +1081,6 @@ class DecodePass:
         return got if shared.slot_order else got[shared.pick]
 
 
-# A pass whose rows change from layer to layer (a blend's or share's recompute) sets ``bucket_rows``: where
-# the projections are packed oneDNN matmuls (CPU bf16 / fp16), their inputs are padded with zero rows to a
-# multiple of this many rows (the outputs of the real rows are sliced back). oneDNN builds a kernel for
-# each new row count on its first use (about a millisecond for each projection), so a first recompute
-# whose per-layer row counts were never seen paid for dozens of them; padded, the counts come from a small
-# set that earlier requests already built. Row-wise operations only: padding changes no real row's rows.
 PAST_EVERY_POSITION = 1 << 40  # the position given to rows read past a cache's length (later than any query)
 
 
@@ -1098,6 +1093,12 @@ def padded_positions(k_pos: Tensor, rows: int) -> Tensor:
     return torch.cat((k_pos, k_pos.new_full((extra,), PAST_EVERY_POSITION)))
 
 
+# A pass whose rows change from layer to layer (a blend's or share's recompute) sets ``bucket_rows``: where
+# the projections are packed oneDNN matmuls (CPU bf16 / fp16), their inputs are padded with zero rows to a
+# multiple of this many rows (the outputs of the real rows are sliced back). oneDNN builds a kernel for
+# each new row count on its first use (about a millisecond for each projection), so a first recompute
+# whose per-layer row counts were never seen paid for dozens of them; padded, the counts come from a small
+# set that earlier requests already built. Row-wise operations only: padding changes no real row's rows.
 ROW_BUCKET = 32
 
 
@@ -1107,7 +1108,7 @@ def _padded_rows(x: Tensor, bucket: bool) -> Tensor:
     rows = x.shape[0]
     if not bucket or rows <= ROW_BUCKET or rows % ROW_BUCKET == 0:
         return x
-    padded = x.new_zeros((-(-rows // ROW_BUCKET) * ROW_BUCKET, *x.shape[1:]))
+    padded = x.new_zeros((round_up(rows, ROW_BUCKET), *x.shape[1:]))
     padded[:rows] = x
     return padded
 
