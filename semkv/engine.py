@@ -56,7 +56,7 @@ from semkv.reuse.options import BlendConfig
 from semkv.reuse.prefix import PrefixKeys
 from semkv.reuse.registry import FULL, build_paths
 from semkv.scheduler import Admission, Scheduler, StepOutput
-from semkv.sequence import PrefillJob, Sequence, TokenCallback
+from semkv.sequence import PrefillJob, Sequence, TokenCallback, row_maxima
 from semkv.sparse.base import SparsePolicy
 from semkv.sparse.decoder import SparseDecoder
 from semkv.sparse.index import BlockIndex, capture_prefill_queries
@@ -637,12 +637,13 @@ class Engine:
                 list(guards),
                 kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
-            for seq, guard, row in zip(seqs, guards, logits, strict=True):
+            maxima = row_maxima(logits)
+            for seq, guard, row, maximum in zip(seqs, guards, logits, maxima, strict=True):
                 if guard is not None and guard.error is not None:
                     self._fail_sequence(seq, guard.error, "its sparse selection")
                     continue
                 try:
-                    seq.sample(row)
+                    seq.sample(row, maximum)
                     self.repair_loop(seq)
                 except Exception as exc:
                     self._fail_sequence(seq, exc, "sampling or loop repair")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from semkv.request import GenerateRequest
-from semkv.sequence import sample_token
+from semkv.sequence import SamplingError, row_maxima, sample_token
 from semkv.store.keys import prefix_block_keys
 from tests.conftest import tiny_hf_model
 
@@ -52,6 +52,26 @@ def test_top_p_samples_only_the_nucleus_renormalised():
 def test_greedy_is_the_argmax_whatever_the_generator():
     for seed in range(5):
         assert sample_token(LOGITS.flip(0), 0.0, 0.3, torch.Generator().manual_seed(seed)) == 3
+
+
+def test_batched_maxima_sample_what_each_row_alone_samples():
+    """A batched step's one reduction (``row_maxima``) must give each row the token its own sampling
+    gives: greedy takes the first of tied maxima, a seeded draw is the same draw, and a row of NaN or
+    -inf logits still raises for that row alone."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first index wins, as argmax's
+    logits[4] = float("nan")
+    logits[5] = float("-inf")
+    maxima = row_maxima(logits)
+    assert maxima[1][1] == 7
+    for row, maximum in zip(logits[:4], maxima[:4], strict=True):
+        for temperature, top_p in ((0.0, 1.0), (0.8, 0.9), (1.5, 1.0)):
+            alone = sample_token(row, temperature, top_p, torch.Generator().manual_seed(11))
+            batched = sample_token(row, temperature, top_p, torch.Generator().manual_seed(11), maximum)
+            assert batched == alone
+    for row, maximum in zip(logits[4:], maxima[4:], strict=True):
+        with pytest.raises(SamplingError):
+            sample_token(row, 0.0, 1.0, torch.Generator(), maximum)
 
 
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> set[int]:

@@ -285,9 +285,19 @@ def gemm_attention(
             grid = scores[: n * rep].view(n, rep, hi - lo)
             for c0, c1, bias in biases:
                 grid[..., c0:c1] += bias.unsqueeze(1)
-            probs = torch.softmax(scores, dim=-1)
-            out[h, a:b] = torch.mm(probs, v[h, lo:hi])[: n * rep].view(n, rep, d)
+            _softmax_rows(scores, n * rep)
+            out[h, a:b] = torch.mm(scores, v[h, lo:hi])[: n * rep].view(n, rep, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
+
+
+def _softmax_rows(scores: Tensor, rows: int) -> None:
+    """Softmax over the last dim of the first ``rows`` rows of ``scores`` [R, K], in place; the rows after
+    them (a query group's padding: zero queries, so zero scores) are left as they are. A row's softmax
+    does not depend on the other rows (the same bits as over the whole matrix), and the padding's rows
+    cost as much as real ones (a prefix hit's short tail is mostly padding). The matmul after it keeps
+    the padded row count (its kernel is compiled per shape)."""
+    real = scores[:rows]
+    torch.softmax(real, dim=-1, out=real)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -95,3 +95,20 @@ def test_prefills_of_nearby_lengths_use_the_same_bucketed_shapes(tokenizer) -> N
         assert queries % (GEMM_QUERY_BUCKET * rep) == 0, (a, b)
         assert keys % GEMM_KEY_BUCKET == 0, (a, b)
     assert shapes[0] == shapes[1]
+
+
+@pytest.mark.parametrize("rows, width", [(54, 1984), (3, 64), (40, 257)])
+def test_softmax_of_the_real_rows_alone_is_the_softmax_of_the_whole_group(rows: int, width: int) -> None:
+    """Injected: a query group's scores [R, K] whose rows past ``rows`` are padding (zeros, as zero
+    queries score). Must happen: the in-place softmax of the real rows alone gives each of them the same
+    bits as the softmax over the whole matrix (a row's softmax reads no other row), and leaves the
+    padding as it was (the matmul after it drops those rows)."""
+    from semkv.models.kernels import _softmax_rows
+
+    gen = torch.Generator().manual_seed(rows)
+    scores = (torch.randn(rows + 42, width, generator=gen) * 4).bfloat16()
+    scores[rows:] = 0
+    whole = torch.softmax(scores, dim=-1)
+    _softmax_rows(scores, rows)
+    assert torch.equal(scores[:rows], whole[:rows])
+    assert not scores[rows:].any()
