@@ -285,12 +285,12 @@ def gemm_attention(
             grid = scores[: n * rep].view(n, rep, hi - lo)
             for c0, c1, bias in biases:
                 grid[..., c0:c1] += bias.unsqueeze(1)
-            _softmax_rows(scores, n * rep)
+            softmax_rows(scores, n * rep)
             out[h, a:b] = torch.mm(scores, v[h, lo:hi])[: n * rep].view(n, rep, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
 
 
-def _softmax_rows(scores: Tensor, rows: int) -> None:
+def softmax_rows(scores: Tensor, rows: int) -> None:
     """Softmax over the last dim of the first ``rows`` rows of ``scores`` [R, K], in place; the rows after
     them (a query group's padding: zero queries, so zero scores) are left as they are. A row's softmax
     does not depend on the other rows (the same bits as over the whole matrix), and the padding's rows

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from semkv.models import Runtime, adapter_for
-from semkv.models.kernels import GEMM_KEY_BUCKET, GEMM_QUERY_BUCKET, gemm_attention
+from semkv.models.kernels import GEMM_KEY_BUCKET, GEMM_QUERY_BUCKET, gemm_attention, softmax_rows
 from semkv.models.runtime import padded_positions
 from tests.conftest import tiny_hf_model
 from tests.tolerances import attention_atol
@@ -103,12 +103,10 @@ def test_softmax_of_the_real_rows_alone_is_the_softmax_of_the_whole_group(rows: 
     queries score). Must happen: the in-place softmax of the real rows alone gives each of them the same
     bits as the softmax over the whole matrix (a row's softmax reads no other row), and leaves the
     padding as it was (the matmul after it drops those rows)."""
-    from semkv.models.kernels import _softmax_rows
-
     gen = torch.Generator().manual_seed(rows)
     scores = (torch.randn(rows + 42, width, generator=gen) * 4).bfloat16()
     scores[rows:] = 0
     whole = torch.softmax(scores, dim=-1)
-    _softmax_rows(scores, rows)
+    softmax_rows(scores, rows)
     assert torch.equal(scores[:rows], whole[:rows])
     assert not scores[rows:].any()
