@@ -23,7 +23,14 @@ import pytest
 
 import semkv.profile as profile_module
 from semkv.engine import Engine
-from semkv.profile import find_profile, load_shipped_profile, shipped_profile_folder, write_profile
+from semkv.profile import (
+    defaults_from_profile,
+    find_profile,
+    load_shipped_profile,
+    shipped_profile_folder,
+    write_profile,
+)
+from semkv.request import GenerateRequest
 
 PROMPT = " ".join(f"Row {i}: the valve reads {i * 13 % 29} bar." for i in range(40))
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +113,6 @@ def test_auto_policy_gets_the_profiles_options(make_tiny_engine, monkeypatch, tm
 
 
 def engine_request(prompt: str):
-    from semkv.request import GenerateRequest
-
     return GenerateRequest(prompt=prompt, max_new_tokens=8, reuse="none", store_prompt=False)
 
 
@@ -137,3 +142,25 @@ def test_bad_floor_is_ignored(make_tiny_engine, monkeypatch, tmp_path, floor):
         make_tiny_engine, monkeypatch, tmp_path, {**PROBE_AUTO, "min_kept_tokens": floor}
     )
     assert engine.defaults.profile is None
+
+
+def _shipped(model: str, compute_dtype: str):
+    for path in sorted(shipped_profile_folder().glob("*.json")):
+        data = json.loads(path.read_text())
+        if data["model"] == model and data["compute_dtype"] == compute_dtype:
+            return load_shipped_profile(path.stem)
+    raise AssertionError(f"no shipped profile for {model} ({compute_dtype})")
+
+
+def test_shipped_smollm2_sparse_engages_only_where_it_was_measured():
+    """The SmolLM2 bf16 profile's auto decodes with the probe at 8K, where it held on RULER's dev and
+    test splits, and dense at 4K, where the same policy lost on the test split, or for short answers."""
+    defaults = defaults_from_profile(_shipped("smollm2-135m", "bfloat16"))
+    request = GenerateRequest(prompt="q", max_new_tokens=64)
+    policy, budget, notes, _ = defaults.resolve_sparse(request, prompt_tokens=7923)
+    assert policy is not None and policy.name == "probe" and policy.rescore == 3 and budget == 0.1
+    assert "dev split" in notes["sparse_auto"] and "test split" in notes["sparse_auto"]
+    policy, _, notes, _ = defaults.resolve_sparse(request, prompt_tokens=4096)
+    assert policy is None and "dense decoding" in notes["sparse_auto"]
+    brief = GenerateRequest(prompt="q", max_new_tokens=8)
+    assert defaults.resolve_sparse(brief, prompt_tokens=8192)[0] is None

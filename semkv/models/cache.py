@@ -27,14 +27,43 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from semkv.models.adapters import apply_rope
 from semkv.models.kernels import in_order
 
-# (layer, rotated queries [nh, A, d], their positions [A]) -> None; see Runtime.forward_rows.
-QueryObserver = Callable[[int, Tensor, Tensor], None]
+
+@dataclass(frozen=True)
+class ObservedQueries:
+    """One layer's queries as a forward computed them, handed to a cache's ``query_observer``.
+
+    q: [nh, A, d] pre-RoPE queries (after the family's query norm); cos / sin: [A, d] their rotary
+    tables; positions: [A] their absolute positions; dtype: the compute dtype the attention rounds the
+    rotated queries to. The rotation is left to the observer,
+    which usually keeps a few rows: rotating every row of a long prompt at every layer cost a visible
+    share of the prefill.
+    """
+
+    q: Tensor
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+    dtype: torch.dtype
+
+    def rotated(self, offsets: Tensor | None = None) -> Tensor:
+        """[nh, n, d] the rows at ``offsets`` [n] (every row: None) rotated as the attention used them
+        (RoPE in float32, rounded to the compute dtype)."""
+        q, cos, sin = self.q, self.cos, self.sin
+        if offsets is not None:
+            q, cos, sin = q[:, offsets], cos[offsets], sin[offsets]
+        return apply_rope(q.float(), cos, sin).to(self.dtype)
+
+
+# (layer, its queries) -> None; see Runtime.forward_rows.
+QueryObserver = Callable[[int, ObservedQueries], None]
 # (layer, first row, end row) -> pre-RoPE keys [kvh, end - first, d]; see SharedPrefix
 KeyRows = Callable[[int, int, int], Tensor]
 

@@ -32,7 +32,7 @@ from semkv.models.adapters import (
     apply_rope_rolled,
     rope_sin_signed,
 )
-from semkv.models.cache import DecodeArena, KVCache, SharedPrefix, cast, row_bytes
+from semkv.models.cache import DecodeArena, KVCache, ObservedQueries, SharedPrefix, cast, row_bytes
 from semkv.models.kernels import (
     GEMM_KEY_BUCKET,
     GemmPlans,
@@ -537,8 +537,8 @@ class Runtime:
         attend: the attention kernel (default: the selector's ``attention`` if it has one, else
             :func:`attention`). stop_after: stop after this layer's KV is written and return None (a
             probe needs no logits).
-        If the cache has a ``query_observer`` it is called at every layer with the rotated queries
-        [nh, A, d] of the rows computed there and their positions [A] (SnapKV/H2O capture).
+        If the cache has a ``query_observer`` it is called at every layer with the queries of the rows
+        computed there (:class:`~semkv.models.cache.ObservedQueries`: SnapKV/H2O and the probe's capture).
         """
         if cache.length - start <= 0:
             raise ValueError("forward_rows needs at least one row to compute")
@@ -732,7 +732,7 @@ class RowsPass:
             cos, sin = cos[self.table_rows], sin[self.table_rows]
         rows = self.active + self.start
         if self.observer is not None:
-            self.observer(layer, runtime.rotated_queries(q, cos, sin), self.q_pos)
+            self.observer(layer, ObservedQueries(q, cos, sin, self.q_pos, runtime.compute_dtype))
         if self.selector is None:
             written = slice(self.start, cache.length) if self.every_row else rows
             runtime.write_fresh(cache, layer, written, k, v, cos, sin)

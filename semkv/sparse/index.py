@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from semkv.models.cache import KVCache
+from semkv.models.cache import KVCache, ObservedQueries
 
 SUMMARY_KINDS = ("mean", "sq", "min", "max", "rmean")
 CHUNK_BLOCKS = 4  # blocks per chunk of the level above the blocks
@@ -273,9 +273,10 @@ def capture_prefill_queries(cache: KVCache, window: int = 32, stride: int = 64) 
     """
     result = PrefillQueries(window=window)
 
-    def record(layer: int, q_rot: Tensor, positions: Tensor) -> None:
+    def record(layer: int, queries: ObservedQueries) -> None:
+        positions = queries.positions
         offsets = captured_offsets(positions.shape[0], window, stride, positions.device)
-        result.q[layer] = q_rot[:, offsets].float()  # a copy, in float32 whatever the compute dtype
+        result.q[layer] = queries.rotated(offsets).float()  # only the kept rows, in float32
         result.positions[layer] = positions[offsets].clone()
 
     previous = cache.query_observer

@@ -167,7 +167,9 @@ def _manual_probe(engine: Engine, layers: tuple[int, ...], separators: bool = Tr
     forced, query = torch.tensor(forced), torch.tensor(query)
     rows = RowInfo(forced, query, torch.full((len(forced),), -1))
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    cache.query_observer = lambda layer, q_rot, q_pos: captured.__setitem__(layer, (q_rot, q_pos))
+    cache.query_observer = lambda layer, queries: captured.__setitem__(
+        layer, (queries.rotated(), queries.positions)
+    )
     probe = QueryProbe(rows, layers)
     runtime.forward_rows(cache, 0, probe)
     cache.query_observer = None
