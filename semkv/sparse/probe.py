@@ -99,9 +99,9 @@ def head_block_mass(
     *lead, kvh, total, d = keys.shape
     nh, n = q.shape[-3], q.shape[-2]
     grouped = q.reshape(*lead, kvh, nh // kvh * n, d)  # one matrix product per KV head, not a broadcast one
-    logits = (grouped @ keys.transpose(-1, -2) / math.sqrt(d)).reshape(*lead, kvh, nh // kvh, n, total)
+    logits = (grouped @ keys.transpose(-1, -2)).div_(math.sqrt(d)).reshape(*lead, kvh, nh // kvh, n, total)
     if visible is not None:
-        logits = logits.masked_fill(~visible, -math.inf)
+        logits.masked_fill_(~visible, -math.inf)  # in place: the product is a fresh tensor
     probs = torch.softmax(logits, dim=-1).reshape(*lead, nh, n, total)
     return block_sums(probs, block_size, num_blocks)
 
