@@ -13,6 +13,7 @@ from semkv.sparse.decoder import SparseConfig, SparseDecoder
 from semkv.sparse.index import BlockIndex, PrefillQueries, capture_prefill_queries
 from semkv.sparse.keykey import HybridPolicy, KeyKeyPolicy, StabilityFilter, hierarchical_scores
 from semkv.sparse.oracle import block_attention_mass
+from semkv.sparse.probe import ProbePolicy
 from semkv.sparse.registry import POLICIES, make_policy, validate_sparse
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "KeyKeyPolicy",
     "Budget",
     "PrefillQueries",
+    "ProbePolicy",
     "SparseConfig",
     "SparseDecoder",
     "SparsePolicy",

@@ -5,7 +5,7 @@ runs at its real sizes in seconds): all scenes through ``run_demo``, one scene t
 marked ``slow``, the real ``semkv demo`` on the embedded SmolLM2 in a subprocess.
 Must happen: each scene prints its title and returns its figures: prefix reuse answers identically
 with the prompt's blocks reused, blend recomputes a fraction of the prompt, share serves the
-paraphrase from the earlier prompt, sparse decodes densely and with Key-Key and the hybrid at 10%.
+paraphrase from the earlier prompt, sparse decodes densely and with Key-Key, the hybrid and the probe at 10%, and says what `sparse="auto"` chose.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_every_scene_on_a_tiny_model(checkpoint, tmp_path, capsys):
     assert len(recomputed) == 3 and all(0 < n < blend["prompt_tokens"] / 2 for n in recomputed)
     share = results["share"]
     assert share["path"] == "share" and share["match_rate"] > 0.6 and share["prompt_tokens"] > 500
-    assert set(results["sparse"]) == {"dense", "keykey @10%", "hybrid @10%"}
+    assert set(results["sparse"]) == {"dense", "keykey @10%", "hybrid @10%", "probe @10%"}
     assert all(f["ms_per_token"] > 0 for f in results["sparse"].values())
 
 
@@ -57,7 +57,8 @@ def test_one_scene_through_the_cli(checkpoint, tmp_path, capsys):
         ["demo", "--model", str(checkpoint), "--home", str(tmp_path), "--scene", "sparse"], capsys
     )
     assert code == 0, err
-    assert "=== scene 1/1: sparse decode" in out and "keykey @10%" in out
+    assert "=== scene 1/1: sparse decode" in out and "keykey @10%" in out and "probe @10%" in out
+    assert 'sparse="auto" (the default) chose:' in out
     code, _, err = run_cli(["demo", "--model", str(checkpoint), "--scene", "magic"], capsys)
     assert code == 2 and "unknown demo scene(s) ['magic']" in err
 
