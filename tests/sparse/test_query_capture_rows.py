@@ -7,7 +7,7 @@ the rows it rotates.
 Must happen: at every layer the captured queries are exactly (bit for bit, float32) the kept rows of
 every row's rotation, rounded to the compute dtype as the attention used them, with their positions;
 and the capture rotates only the rows it keeps (before, every prompt row was rotated at every layer for
-the observer: ~13 ms a layer at 8K tokens, 0.4 s of an 8K prompt's first token under ``sparse="auto"``).
+the observer, a visible share of a long prompt's first token under ``sparse="auto"``: docs/benchmarks.md).
 """
 
 from __future__ import annotations
