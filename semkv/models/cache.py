@@ -42,9 +42,8 @@ class ObservedQueries:
 
     q: [nh, A, d] pre-RoPE queries (after the family's query norm); cos / sin: [A, d] their rotary
     tables; positions: [A] their absolute positions; dtype: the compute dtype the attention rounds the
-    rotated queries to. The rotation is left to the observer,
-    which usually keeps a few rows: rotating every row of a long prompt at every layer cost a visible
-    share of the prefill.
+    rotated queries to. The rotation is left to the observer, which usually keeps a few rows: rotating
+    every row of a long prompt at every layer cost a visible share of the prefill.
     """
 
     q: Tensor
