@@ -44,6 +44,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(0) + rotate_half(x) * sin.unsqueeze(0)
 
 
+def rotate_queries(q: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+    """Queries ``q`` [nh, n, d] rotated by ``cos``/``sin`` [n, d] as attention uses them: RoPE in float32,
+    rounded to ``dtype`` (the compute dtype)."""
+    return apply_rope(q.float(), cos, sin).to(dtype)
+
+
 def rope_sin_signed(sin: Tensor) -> Tensor:
     """``sin`` [T, d] with its first half negated: the table :func:`apply_rope_rolled` takes."""
     half = sin.shape[-1] // 2

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from semkv.models.adapters import apply_rope
+from semkv.models.adapters import rotate_queries
 from semkv.models.kernels import in_order
 
 
@@ -58,7 +58,7 @@ class ObservedQueries:
         q, cos, sin = self.q, self.cos, self.sin
         if offsets is not None:
             q, cos, sin = q[:, offsets], cos[offsets], sin[offsets]
-        return apply_rope(q.float(), cos, sin).to(self.dtype)
+        return rotate_queries(q, cos, sin, self.dtype)
 
 
 # (layer, its queries) -> None; see Runtime.forward_rows.

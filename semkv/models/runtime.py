@@ -31,6 +31,7 @@ from semkv.models.adapters import (
     apply_rope_into,
     apply_rope_rolled,
     rope_sin_signed,
+    rotate_queries,
 )
 from semkv.models.cache import DecodeArena, KVCache, ObservedQueries, SharedPrefix, cast, row_bytes
 from semkv.models.kernels import (
@@ -487,7 +488,7 @@ class Runtime:
 
     def rotated_queries(self, q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotated queries [nh, n, d] in the compute dtype (RoPE in fp32)."""
-        return apply_rope(q.float(), cos, sin).to(self.compute_dtype)
+        return rotate_queries(q, cos, sin, self.compute_dtype)
 
     # -- the layer loop ---------------------------------------------------------------------------
     @torch.inference_mode()

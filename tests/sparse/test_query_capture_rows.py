@@ -2,8 +2,8 @@
 
 Injected: a tiny model's 150-token prefill (llama and Gemma 3 families, float32 and bfloat16 compute)
 under a capture of the last 8 rows and every 16th from the end, with a second observer beside it that
-rotates every row the forward computed; ``apply_rope`` as the observed queries see it, wrapped to count
-the rows it rotates.
+rotates every row the forward computed; ``rotate_queries`` as the observed queries see it, wrapped to
+count the rows it rotates.
 Must happen: at every layer the captured queries are exactly (bit for bit, float32) the kept rows of
 every row's rotation, rounded to the compute dtype as the attention used them, with their positions;
 and the capture rotates only the rows it keeps (before, every prompt row was rotated at every layer for
@@ -34,13 +34,13 @@ def test_capture_keeps_the_rotated_queries_the_attention_used(family, compute_dt
     cache = runtime.new_cache(PROMPT_TOKENS + 1)
     every_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rotated_rows: list[int] = []
-    rope = cache_module.apply_rope
+    rotate = cache_module.rotate_queries
 
-    def counting_rope(x, cos, sin):
-        rotated_rows.append(x.shape[1])
-        return rope(x, cos, sin)
+    def counting_rotate(q, cos, sin, dtype):
+        rotated_rows.append(q.shape[1])
+        return rotate(q, cos, sin, dtype)
 
-    monkeypatch.setattr(cache_module, "apply_rope", counting_rope)
+    monkeypatch.setattr(cache_module, "rotate_queries", counting_rotate)
     with capture_prefill_queries(cache, window=WINDOW, stride=STRIDE) as captured:
         record = cache.query_observer
 
