@@ -84,11 +84,13 @@ class SharedPrefix:
     with them. Read-only: a cache that must change a prefix row copies the prefix in first
     (:meth:`KVCache.unshare`). ``holders``: the caches reading it now (weak: a cache dropped stops holding).
 
-    Per layer: ``k_rot`` [kvh, rows, d] rotated keys in the compute dtype, ``v`` [kvh, rows, d] values in
-    float32 (the compute-dtype values, widened: attention sums the prefix's share of a query's output in
-    float32 and rounds once, as a one-piece product over the joined rows does); pre-RoPE keys are read on
-    demand (``k_pre_rows(layer, start, end)`` -> [kvh, end - start, d] in ``kv_dtype``: from the page
-    pool's pages, which ``keep`` holds while the prefix lives, so they are not kept twice).
+    Per layer: ``k_rot`` [kvh, rows, d] rotated keys and ``v`` [kvh, rows, d] values in the compute dtype
+    (views of page pool buffers or copies; only the row dimension need be contiguous); pre-RoPE keys are
+    read on demand (``k_pre_rows(layer, start, end)`` -> [kvh, end - start, d] in ``kv_dtype``: from the
+    page pool's pages, which ``keep`` holds while the prefix lives, so they are not kept twice). A batched
+    decode step of several readers sums the prefix's share of a query's output in float32 and rounds once,
+    as a one-piece product over the joined rows does: :meth:`float_values` widens the values to float32
+    for it the first time (once, every layer; the prefix then holds the float32 values instead).
     """
 
     def __init__(
@@ -103,8 +105,8 @@ class SharedPrefix:
         rows = k_rot[0].shape[1] if k_rot else 0
         if len(token_ids) != rows or len(k_rot) != len(v):
             raise ValueError(f"a shared prefix of {rows} rows needs as many token ids, got {len(token_ids)}")
-        if any(t.dtype != torch.float32 for t in v):
-            raise ValueError("a shared prefix holds its values in float32")
+        if any(t.dtype != k.dtype for t, k in zip(v, k_rot, strict=True)):
+            raise ValueError("a shared prefix holds its keys and values in one (the compute) dtype")
         self.k_rot, self.v = k_rot, v
         self.token_ids = tuple(token_ids)
         self.rows = rows
@@ -121,7 +123,7 @@ class SharedPrefix:
         rotated keys and values in the compute dtype)."""
         return cls(
             k_rot,
-            [t.float() for t in v],
+            v,
             token_ids,
             lambda layer, start, end: k_pre[layer][:, start:end],
             k_pre[0].dtype,
@@ -132,13 +134,21 @@ class SharedPrefix:
     def num_layers(self) -> int:
         return len(self.k_rot)
 
+    def float_values(self, layer: int) -> Tensor:
+        """Values of ``layer`` [kvh, rows, d] in float32. The first call widens every layer's values and
+        keeps only the widened ones (the compute-dtype rows are the float32 values rounded back)."""
+        if self.v[layer].dtype != torch.float32:
+            self.v = [t.float() for t in self.v]
+        return self.v[layer]
+
     def held_by_others(self, cache: KVCache) -> bool:
         """Whether a cache other than ``cache`` reads this prefix now."""
         return any(holder is not cache for holder in list(self.holders))
 
     def nbytes(self) -> int:
-        """Bytes of the prefix's own buffers (rotated keys and float32 values; pre-RoPE keys it holds
-        itself, not those read from pool pages)."""
+        """Bytes of the rows the prefix's readers attend over: rotated keys and values as held (compute
+        dtype, or float32 values once widened), whether views of pool pages or copies; pre-RoPE keys only
+        where it holds them itself (not read from pool pages)."""
         held = [*self.k_rot, *self.v]
         if isinstance(self.keep, list):
             held += [t for t in self.keep if isinstance(t, Tensor)]
@@ -172,9 +182,6 @@ class KVCache:
         self.length = 0
         self.prefix: SharedPrefix | None = None  # rows 0 .. base - 1 read from here (share_prefix)
         self.base = 0
-        self._k_pre: list[Tensor] = []  # own buffers: rows base ..
-        self._k_rot: list[Tensor] = []
-        self._v: list[Tensor] = []
         self.positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.token_ids: list[int] = []
         self.query_observer: QueryObserver | None = None  # set while a prefill's queries are captured
@@ -183,7 +190,13 @@ class KVCache:
         # append in order (see ordered, position_span); None: not known
         self._in_order: bool | None = None
         self._span: int | None = None
-        self.reserve(max(capacity, 1))
+        # Rows the first allocation makes: buffers are allocated when rows first arrive (reserve), so a
+        # cache that starts from a shared prefix allocates only its own rows (share_prefix).
+        self._planned = max(capacity, 1)
+        empty = (num_kv_heads, 0, head_dim)  # own buffers: rows base ..
+        self._k_pre = [torch.empty(empty, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
+        self._k_rot = [torch.empty(empty, dtype=compute_dtype, device=self.device) for _ in range(num_layers)]
+        self._v = [torch.empty(empty, dtype=compute_dtype, device=self.device) for _ in range(num_layers)]
 
     # -- whole buffers (a shared prefix is copied in first) ------------------------------------------
     @property
@@ -236,8 +249,9 @@ class KVCache:
     def held_bytes(self) -> int:
         """Bytes of the buffers this cache holds on its own: ``capacity - base`` rows, or 0 while they are
         views of a :class:`DecodeArena` slot (the arena counts them). A shared prefix is not counted here
-        (its holders share it), nor are positions and token ids."""
-        return 0 if self.in_arena else self.own_capacity * self.row_bytes
+        (its holders share it), nor are positions and token ids. Before its first rows arrive a cache counts
+        the rows it was made for (its buffers are allocated then)."""
+        return 0 if self.in_arena else max(self.own_capacity, self._planned) * self.row_bytes
 
     # -- the shared prefix ---------------------------------------------------------------------------
     def share_prefix(self, prefix: SharedPrefix, rows: int | None = None) -> None:
@@ -253,18 +267,22 @@ class KVCache:
         layout = (first.shape[0], first.shape[2], prefix.kv_dtype, prefix.num_layers)
         if layout != (self.num_kv_heads, self.head_dim, self.kv_dtype, self.num_layers):
             raise ValueError(f"shared prefix layout {layout} differs from the cache's")
-        self.reserve(rows + 1)
-        self.append_rows(torch.arange(rows, device=self.device), list(prefix.token_ids[:rows]))
-        self._in_order, self._span = True, max(rows - 1, 0)
-        self.prefix, self.base = prefix, rows
-        prefix.holders.add(self)
-        if not self.in_arena:
-            shape = (self.num_kv_heads, self.own_capacity, self.head_dim)
+        if self.in_arena:
+            self.reserve(rows + 1)
+        else:
+            capacity = max(self.capacity, self._planned, rows + 1)
+            shape = (self.num_kv_heads, capacity - rows, self.head_dim)
             self._k_pre = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in self._k_pre]
             self._k_rot = [
                 torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in self._k_rot
             ]
             self._v = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in self._v]
+            self.positions = torch.empty(capacity, dtype=torch.long, device=self.device)
+            self.capacity, self._planned = capacity, 0
+        self.append_rows(torch.arange(rows, device=self.device), list(prefix.token_ids[:rows]))
+        self._in_order, self._span = True, max(rows - 1, 0)
+        self.prefix, self.base = prefix, rows
+        prefix.holders.add(self)
 
     def unshare(self) -> None:
         """Copy the shared prefix's rows into buffers of this cache's own (copy-on-write of the whole
@@ -297,7 +315,8 @@ class KVCache:
         """Grow every buffer to hold at least ``capacity`` rows (amortised doubling)."""
         if capacity <= self.capacity:
             return
-        new_cap = max(capacity, 2 * self.capacity)
+        new_cap = max(capacity, 2 * self.capacity, self._planned)
+        self._planned = 0
         shape = (self.num_kv_heads, new_cap - self.base, self.head_dim)
         own = self.own_length
 
@@ -369,6 +388,7 @@ class KVCache:
         rows = k_pre[0].shape[1]
         if capacity - self.base > rows:
             raise ValueError(f"adopt capacity {capacity} exceeds the buffers' {rows} rows")
+        self._planned = 0
         if capacity > self.capacity:
             positions = torch.empty(capacity, dtype=torch.long, device=self.device)
             positions[: self.length] = self.positions[: self.length]

@@ -20,9 +20,9 @@ Tenancy: a page is found only through its key, and a prefix block's key includes
 namespace (:func:`semkv.store.keys.prefix_block_keys`), so a tenant reaches only its own pages; a page
 handed out again is overwritten whole before it is indexed under its new key.
 
-Running sequences that hit the same pooled prefix share its rows: :meth:`PagePool.shared_prefix` gathers
-the pages once into a :class:`~semkv.models.cache.SharedPrefix` that every cache starting with those pages
-reads while it lives (kept weakly under the key of every whole page it holds). A cache that must
+Running sequences that hit the same pooled prefix share its rows: :meth:`PagePool.shared_prefix` makes
+one :class:`~semkv.models.cache.SharedPrefix` of the pages (views of the pool's buffers when the pages are
+consecutive, else one gather) that every cache starting with those pages reads while it lives (kept weakly under the key of every whole page it holds). A cache that must
 change a prefix row copies the prefix in first (copy-on-write of the whole prefix), and a cache left
 alone with it copies it in before decoding (one piece of attention is faster than two; docs/design.md).
 """
@@ -277,6 +277,13 @@ class PageLease:
         return not self._finalizer.alive
 
 
+def take_rows(buffer: Tensor, rows: slice | Tensor) -> Tensor:
+    """Rows ``rows`` of a pool buffer [kvh, P*B, d]: a view for a range, a gathered copy for an index."""
+    if isinstance(rows, slice):
+        return buffer[:, rows]
+    return buffer.index_select(1, rows)
+
+
 def page_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """Runs of consecutive page ids: (first page, its index in ``pages``, length)."""
     runs: list[tuple[int, int, int]] = []
@@ -392,9 +399,11 @@ class PagePool:
         """A :class:`SharedPrefix` holding the first rows of ``pages`` (a prefix: positions 0 ..
         ``count`` - 1) and how many of them (from the first) a cache may read from it: the live prefix
         that holds the longest run of these pages, if one does (it may hold other rows after them, and
-        fewer than ``count``: the caller reads the rest from the pages), else ``count`` rows gathered
-        now (one ``index_select`` per layer of the rotated keys and values). A prefix holds a lease on its
-        pages while it lives (they are not evicted) and reads its pre-RoPE keys from them when asked."""
+        fewer than ``count``: the caller reads the rest from the pages), else a new prefix of ``count``
+        rows: views of the pool's buffers when the pages are consecutive (no copy), else gathered (one
+        ``index_select`` per layer of the rotated keys and values). A prefix holds a lease on its pages
+        while it lives (they are neither evicted nor handed out, so the views stay its rows) and reads its
+        pre-RoPE keys from them when asked."""
         size = self.block_size
         if not 0 < count <= len(pages) * size:
             raise ValueError(f"shared_prefix: {count} rows asked of {len(pages)} pages of {size}")
@@ -410,24 +419,37 @@ class PagePool:
                 if found.token_ids[readable:end] == tuple(token_ids[readable:end]):
                     readable = max(readable, end)  # the same tokens after the pages: the same rows
                 return found, readable
-        index = self._row_index(used, count)
-        k_rot = [buf.index_select(1, index) for buf in self.k_rot]
-        v = [buf.index_select(1, index).float() for buf in self.v]
+        rows = self._pool_rows(used, count)
+        k_rot = [take_rows(buf, rows) for buf in self.k_rot]
+        v = [take_rows(buf, rows) for buf in self.v]
         prefix = SharedPrefix(
-            k_rot, v, token_ids, self._key_reader(index), self.layout.kv_dtype, keep=self.lease(used)
+            k_rot, v, token_ids, self._key_reader(rows), self.layout.kv_dtype, keep=self.lease(used)
         )
         for page in used[: count // size]:
             self.shared[self._info(page).key] = prefix
         return prefix, count
 
-    def _key_reader(self, index: Tensor) -> KeyRows:
-        """Pre-RoPE keys of the pool rows ``index`` [count], read per layer and row range."""
+    def _key_reader(self, rows: slice | Tensor) -> KeyRows:
+        """Pre-RoPE keys of the pool rows ``rows`` (a range, or an index [count]), read per layer and row
+        range (views of the pool when ``rows`` is a range)."""
         buffers = self.k_pre
 
         def read(layer: int, start: int, end: int) -> Tensor:
-            return buffers[layer].index_select(1, index[start:end])
+            if isinstance(rows, slice):
+                first = rows.start + start
+                return buffers[layer][:, first : first + end - start]
+            return buffers[layer].index_select(1, rows[start:end])
 
         return read
+
+    def _pool_rows(self, pages: Sequence[int], count: int) -> slice | Tensor:
+        """Where the first ``count`` rows of ``pages`` lie in the pool's buffers: one range when the pages
+        are consecutive, else an index [count]."""
+        runs = page_runs(pages)
+        if len(runs) == 1:
+            first = runs[0][0] * self.block_size
+            return slice(first, first + count)
+        return self._row_index(pages, count)
 
     def page_info(self, page: int) -> PageInfo:
         return self._info(page)

@@ -232,7 +232,7 @@ class PrefixGroup:
 
     def piece(self, layer: int) -> PrefixPiece:
         """What :func:`~semkv.models.kernels.batched_decode_with_prefixes` reads of ``layer``."""
-        return PrefixPiece(self.prefix.k_rot[layer], self.prefix.v[layer], self.members, self.bias)
+        return PrefixPiece(self.prefix.k_rot[layer], self.prefix.float_values(layer), self.members, self.bias)
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,13 @@ def test_two_piece_kernel_matches_attention_over_the_joined_rows(dtype):
     partial = torch.zeros(2, 1, 1, 9, dtype=dtype)
     partial[1, ..., 5:] = float("-inf")
     pieces = [
-        PrefixPiece(prefix_a.k_rot[0], prefix_a.v[0], torch.tensor([0, 2]), partial),
-        PrefixPiece(prefix_b.k_rot[0], prefix_b.v[0], torch.tensor([3])),
+        PrefixPiece(prefix_a.k_rot[0], prefix_a.float_values(0), torch.tensor([0, 2]), partial),
+        PrefixPiece(prefix_b.k_rot[0], prefix_b.float_values(0), torch.tensor([3])),
     ]
     mixed = batched_decode_with_prefixes(q, k, v, bias, pieces)
-    everyone = batched_decode_with_prefixes(q, k, v, bias, [PrefixPiece(prefix_b.k_rot[0], prefix_b.v[0])])
+    everyone = batched_decode_with_prefixes(
+        q, k, v, bias, [PrefixPiece(prefix_b.k_rot[0], prefix_b.float_values(0))]
+    )
     for got, heads in ((mixed, {0: (prefix_a, 9), 2: (prefix_a, 5), 3: (prefix_b, 14)}), (everyone, None)):
         for i, length in enumerate(lengths):
             keys, values = k[i, :, :length], v[i, :, :length]
