@@ -321,6 +321,7 @@ class Engine:
         """The runtime's decode step alone: append ``token_id`` to the sequence's cache and return the
         logits [V], with no sampling, stop check or repair (e.g. to check a GPU step for host syncs)."""
         with self._lock:
+            self._start_sparse(seq)
             return self.runtime.decode(seq.cache, token_id, seq.sparse)
 
     def twin(self, **changes: Any) -> Engine:
@@ -522,11 +523,11 @@ class Engine:
         if job.outcome is None:
             raise ValueError(f"the prefill is not complete: {job.remaining} prompt tokens left")
         outcome = job.outcome
-        # a dense request's first token needs no block summaries: they are computed with the store after
-        # it (a noticeable part of a blend's TTFT), or when a fork needs them
-        blocks, summarise_s = self._summarise(job.cache, outcome, now=job.sparse is not None or job.capture)
-        if job.sparse is not None:
-            job.sparse.attach(blocks)
+        # The first token needs no block summaries, dense or sparse (it comes from the prefill's logits):
+        # they are computed with the store after it (a noticeable part of a blend's TTFT), when a fork
+        # needs them, or before a sparse request's first decode step (_start_sparse), which also sets its
+        # decoder up then (summaries and the policy's preparation: a sparse request's TTFT is a dense one's).
+        blocks, summarise_s = self._summarise(job.cache, outcome, now=job.capture and job.sparse is None)
         seq = Sequence(
             request=job.request,
             options=job.options,
@@ -610,6 +611,7 @@ class Engine:
         with self._lock:
             if feed is not None:
                 seq.tokens[-1] = int(feed)
+            self._start_sparse(seq)
             logits = self.runtime.decode(seq.cache, seq.tokens[-1], seq.sparse)
             seq.sample(logits)
             if feed is None:
@@ -630,7 +632,11 @@ class Engine:
         they would have been)."""
         with self._lock:
             start = time.perf_counter()
-            guards = [None if seq.sparse is None else SelectionGuard(seq.sparse) for seq in seqs]
+            ready = [self._sparse_ready(seq) for seq in seqs]
+            guards = [
+                None if seq.sparse is None or not ok else SelectionGuard(seq.sparse)
+                for seq, ok in zip(seqs, ready, strict=True)
+            ]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
@@ -638,7 +644,9 @@ class Engine:
                 kv_limit=self.scheduler.config.max_live_kv_bytes,
             )
             maxima = row_maxima(logits)
-            for seq, guard, row, maximum in zip(seqs, guards, logits, maxima, strict=True):
+            for seq, guard, row, maximum, ok in zip(seqs, guards, logits, maxima, ready, strict=True):
+                if not ok:
+                    continue
                 if guard is not None and guard.error is not None:
                     self._fail_sequence(seq, guard.error, "its sparse selection")
                     continue
@@ -651,6 +659,28 @@ class Engine:
             for seq in seqs:
                 seq.decode_s += elapsed
             return logits
+
+    def _start_sparse(self, seq: Sequence) -> None:
+        """Before a sparse sequence's first decode step: summarise its prompt's blocks (those its reused
+        blocks carried, the rest from the rows) and attach its decoder (the policy prepares: e.g. the
+        query probe's choice). Nothing for a dense sequence or one already started. The time goes to the
+        step that calls it, not to the first token."""
+        decoder = seq.sparse
+        if decoder is None or decoder.index is not None or seq.blocks is None:
+            return
+        self._summarise_prompt(seq)
+        decoder.attach(seq.blocks)
+
+    def _sparse_ready(self, seq: Sequence) -> bool:
+        """:meth:`_start_sparse` for one sequence of a batched step; False (and the sequence failed alone,
+        decoding densely in this step with nothing sampled) if its set-up raised."""
+        try:
+            self._start_sparse(seq)
+        except Exception as exc:
+            self._fail_sequence(seq, exc, "its sparse set-up")
+            seq.sparse = None
+            return False
+        return True
 
     @staticmethod
     def _fail_sequence(seq: Sequence, exc: BaseException, where: str) -> None:

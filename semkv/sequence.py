@@ -133,10 +133,11 @@ class Sequence:
     outcome: what the prefill did (path, reused/recomputed tokens, first-token logits [V]).
     sparse: the request's sparse decoder, or None for dense decoding.
     prefill_queries: queries captured at prefill (when asked for), so a fork can run SnapKV / H2O.
-    blocks: summaries of the cache's complete blocks, computed as the prefill wrote them (the sparse
-        decoder reads and extends them); summarise_s: the time that took (within the TTFT). A dense
-        request's prompt blocks are summarised after its first token, when its prompt is stored or it is
-        forked (then summarise_s is not in the TTFT).
+    blocks: summaries of the cache's complete blocks (the sparse decoder reads and extends them);
+        summarise_s: the time summarising the prompt's blocks took. They are summarised after the first
+        token (never part of the TTFT): before a sparse request's first decode step, or when a dense
+        request's prompt is stored or it is forked (where ``capture_queries`` asked a dense request for
+        its prefill's queries, with the prefill).
     failure: what ended this sequence alone in a batched step (its sampling, loop repair or sparse
         selection raised: :meth:`semkv.engine.Engine.decode_batch`); the scheduler ends it with this
         error while the other sequences of the step go on.

@@ -6,7 +6,8 @@ a prompt stored, then the same prompt again as a dense prefix hit, and as a spar
 Must happen: the dense hit's block index holds no summarised block at its first token (the carried
 summaries are kept aside, not inserted); once its prompt is stored, every prompt block is summarised, with
 the summaries that summarising the cache's rows gives (the carried ones inserted, the rest computed); a
-sparse hit starts decoding with every prompt block summarised.
+sparse hit's first token waits for none either (its decoder is not set up yet), and its first decode step
+starts with every prompt block summarised and the decoder on that index.
 """
 
 from __future__ import annotations
@@ -45,4 +46,6 @@ def test_a_sparse_hit_starts_with_every_prompt_block_summarised(make_tiny_engine
         GenerateRequest(prompt=PROMPT, reuse="prefix", sparse="keykey", kv_budget=0.5, max_new_tokens=2)
     )
     assert seq.outcome.reused_tokens > 0
-    assert seq.blocks is not None and seq.blocks.num_complete == len(seq.layout) // 4
+    assert seq.blocks is not None and seq.blocks.num_complete == 0 and seq.sparse.index is None
+    engine.decode_step(seq)
+    assert seq.blocks.num_complete == len(seq.layout) // 4 and seq.sparse.index is seq.blocks

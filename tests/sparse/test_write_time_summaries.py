@@ -1,11 +1,12 @@
-"""Block summaries are computed when the blocks are written, and travel with stored prefix blocks.
+"""Block summaries are computed once per block, and travel with stored prefix blocks.
 
 Injected: prefills through the engine (full and prefix-hit), decodes that complete blocks, a stored
-prefix whose blocks carry no summaries, and summaries of another shape. Must happen: after prefill every
-complete block is summarised (exactly as a direct computation from the cache rows); the first decode
-step summarises nothing; a block completed by decode is summarised at the next step; a prefix hit takes
-the stored blocks' summaries instead of recomputing them (bit for bit those of a fresh prefill); blocks
-stored without summaries, or with misshapen ones, are summarised from their rows.
+prefix whose blocks carry no summaries, and summaries of another shape. Must happen: the first token waits
+for no summary (the sparse decoder is set up before the first decode step); that set-up summarises every
+complete prompt block once (exactly as a direct computation from the cache rows) and the decoder's steps
+summarise no prompt block again; a block completed by decode is summarised at the next step; a prefix hit
+takes the stored blocks' summaries instead of recomputing them (bit for bit those of a fresh prefill);
+blocks stored without summaries, or with misshapen ones, are summarised from their rows.
 """
 
 from __future__ import annotations
@@ -56,16 +57,16 @@ def assert_index_matches_cache(index: BlockIndex) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_prefill_summarises_every_block_and_the_first_step_none(make_tiny_engine, family):
+def test_the_set_up_summarises_every_prompt_block_once_after_the_first_token(make_tiny_engine, family):
     engine = make_tiny_engine(family, block_size=BLOCK, kv_dtype="float16")
     seq = engine.prefill(_request(reuse="none"))
     index = seq.blocks
-    assert index is not None and seq.sparse is not None and seq.sparse.index is index
-    assert index.num_complete == seq.prompt_tokens // BLOCK
+    assert index is not None and seq.sparse is not None and seq.sparse.index is None
+    assert index.num_complete == 0, "the first token must wait for no summary"
+    engine.decode_step(seq)  # the decoder is set up on the summarised prompt, then decodes
+    assert seq.sparse.index is index and index.num_complete == seq.prompt_tokens // BLOCK
+    assert index.computed_blocks == seq.prompt_tokens // BLOCK, "a decode step summarised a prompt block"
     assert_index_matches_cache(index)
-    computed = index.computed_blocks
-    engine.decode_step(seq)
-    assert index.computed_blocks == computed, "the first decode step must not summarise prompt blocks"
     # decode until blocks complete: each is summarised at the step after it is written
     engine.decode(seq)
     assert index.num_complete == (seq.cache.length - 1) // BLOCK > seq.prompt_tokens // BLOCK
@@ -74,12 +75,11 @@ def test_prefill_summarises_every_block_and_the_first_step_none(make_tiny_engine
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"dense"}))
 def test_no_policy_summarises_at_the_first_step(make_tiny_engine, policy):
-    """Every policy starts from the prefill's summaries: its first decode step summarises no block."""
+    """Every policy starts from the set-up's summaries: its first decode step summarises no block again."""
     engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
     seq = engine.prefill(_request(reuse="none", sparse=policy))
-    computed = seq.blocks.computed_blocks
     engine.decode_step(seq)
-    assert seq.sparse.index is seq.blocks and seq.blocks.computed_blocks == computed
+    assert seq.sparse.index is seq.blocks and seq.blocks.computed_blocks == seq.prompt_tokens // BLOCK
 
 
 def test_prefix_hit_takes_the_stored_summaries(make_tiny_engine):
@@ -91,6 +91,7 @@ def test_prefix_hit_takes_the_stored_summaries(make_tiny_engine):
     assert stored is not None and {SUMMARY_EXTRA + k for k in SUMMARY_KINDS} <= set(stored.extras)
     second = engine.prefill(_request(reuse="prefix"))
     assert second.outcome.path == "prefix"
+    engine.decode_step(second)  # the sparse set-up inserts the carried summaries, computes the rest
     index = second.blocks
     carried = second.outcome.reused_tokens // BLOCK
     assert carried >= 2 and index.computed_blocks == index.num_complete - carried
@@ -107,6 +108,7 @@ def test_blocks_stored_without_summaries_are_summarised(make_tiny_engine):
     assert not engine.store.get(keys[0]).extras
     second = engine.prefill(_request(reuse="prefix"))
     assert second.outcome.path == "prefix"
+    engine.decode_step(second)
     assert second.blocks.computed_blocks == second.blocks.num_complete
     assert_index_matches_cache(second.blocks)
 
@@ -114,6 +116,7 @@ def test_blocks_stored_without_summaries_are_summarised(make_tiny_engine):
 def test_misshapen_stored_summaries_are_recomputed(make_tiny_engine):
     engine = make_tiny_engine("llama", block_size=BLOCK, kv_dtype="float16")
     first = engine.prefill(_request(reuse="none"))
+    engine.decode_step(first)
     index = first.blocks
     with pytest.raises(ValueError, match="mean"):
         index.insert({k: v[..., :1] for k, v in index.block_summaries(0).items()})
