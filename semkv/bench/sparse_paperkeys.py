@@ -190,11 +190,15 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "lost_vs_dense": sum(r["runs"]["dense"]["ok"] and not r["runs"][label]["ok"] for r in at),
                     "ms_per_step": median([r["runs"][label]["ms"] for r in at]),
                     "request_time_vs_dense": None,
+                    "ttft_vs_dense": None,
                 }
             )
         dense_s = [r["requests"]["dense"]["request_s"] for r in at]
         auto_s = [r["requests"]["auto"]["request_s"] for r in at]
         speed = paired_speedup(dense_s, auto_s)
+        first = paired_speedup(
+            [r["requests"]["dense"]["ttft_s"] for r in at], [r["requests"]["auto"]["ttft_s"] for r in at]
+        )
         policies = sorted({str(r["requests"]["auto"]["sparse_policy"] or "dense") for r in at})
         rows.append(
             {
@@ -209,6 +213,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ),
                 "ms_per_step": None,
                 "request_time_vs_dense": f"{speed.ratio:.3f}x [{speed.low:.3f}, {speed.high:.3f}]",
+                "ttft_vs_dense": f"{first.ratio:.3f}x [{first.low:.3f}, {first.high:.3f}]",
             }
         )
     return rows
@@ -219,7 +224,8 @@ solved = the verification number appears in the answer (normalised); dense_solve
 same cases; lost_vs_dense = cases dense solves and the run does not. how: fork = decoded from a fork of
 one prefilled case (the same first token); request = whole requests (`engine.generate`), auto against
 dense, interleaved (order alternating per case). request_time_vs_dense = dense's request time / auto's
-(> 1: auto faster), median of the per-case ratios with its interval. auto's choice per case (policy or
+(> 1: auto faster), median of the per-case ratios with its interval; ttft_vs_dense: the same for the time
+to the first token. auto's choice per case (policy or
 why dense) is in the cases file (`sparse_auto`).
 """
 
