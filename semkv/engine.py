@@ -321,8 +321,7 @@ class Engine:
         """The runtime's decode step alone: append ``token_id`` to the sequence's cache and return the
         logits [V], with no sampling, stop check or repair (e.g. to check a GPU step for host syncs)."""
         with self._lock:
-            self._start_sparse(seq)
-            return self.runtime.decode(seq.cache, token_id, seq.sparse)
+            return self.runtime.decode(seq.cache, token_id, self._sparse_gatherer(seq))
 
     def twin(self, **changes: Any) -> Engine:
         """Another engine over the same weights and tokenizer, its config changed by ``changes``
@@ -611,8 +610,7 @@ class Engine:
         with self._lock:
             if feed is not None:
                 seq.tokens[-1] = int(feed)
-            self._start_sparse(seq)
-            logits = self.runtime.decode(seq.cache, seq.tokens[-1], seq.sparse)
+            logits = self.runtime.decode(seq.cache, seq.tokens[-1], self._sparse_gatherer(seq))
             seq.sample(logits)
             if feed is None:
                 self.repair_loop(seq)
@@ -633,10 +631,10 @@ class Engine:
         with self._lock:
             start = time.perf_counter()
             ready = [self._sparse_ready(seq) for seq in seqs]
-            guards = [
-                None if seq.sparse is None or not ok else SelectionGuard(seq.sparse)
-                for seq, ok in zip(seqs, ready, strict=True)
+            gatherers = [
+                self._sparse_gatherer(seq) if ok else None for seq, ok in zip(seqs, ready, strict=True)
             ]
+            guards = [None if decoder is None else SelectionGuard(decoder) for decoder in gatherers]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
@@ -661,15 +659,25 @@ class Engine:
             return logits
 
     def _start_sparse(self, seq: Sequence) -> None:
-        """Before a sparse sequence's first decode step: summarise its prompt's blocks (those its reused
-        blocks carried, the rest from the rows) and attach its decoder (the policy prepares: e.g. the
-        query probe's choice). Nothing for a dense sequence or one already started. The time goes to the
-        step that calls it, not to the first token."""
+        """Before a sparse sequence's first sparse decode step (after its decoder's ``dense_steps`` dense
+        ones): summarise its prompt's blocks (those its reused blocks carried, the rest from the rows) and
+        attach its decoder (the policy prepares: e.g. the query probe's choice). Nothing for a dense
+        sequence, one already started or one still in its dense steps. The time goes to the step that
+        calls it, never to the first token."""
         decoder = seq.sparse
         if decoder is None or decoder.index is not None or seq.blocks is None:
             return
+        if len(seq.tokens) - 1 < decoder.config.dense_steps:  # decode steps so far (the first token: prefill)
+            return
         self._summarise_prompt(seq)
         decoder.attach(seq.blocks)
+
+    def _sparse_gatherer(self, seq: Sequence) -> SparseDecoder | None:
+        """What this step of ``seq`` attends through (:meth:`_start_sparse` first): its sparse decoder once
+        set up, else None (every row)."""
+        self._start_sparse(seq)
+        decoder = seq.sparse
+        return decoder if decoder is not None and decoder.index is not None else None
 
     def _sparse_ready(self, seq: Sequence) -> bool:
         """:meth:`_start_sparse` for one sequence of a batched step; False (and the sequence failed alone,

@@ -43,8 +43,10 @@ class AutoSparse:
     the probe's ``split_at``). min_kept_tokens: the budget's floor in tokens
     (``SparseConfig.min_kept_tokens``). min_new_tokens: requests allowing fewer new tokens decode dense
     (sparse decode's set-up — the prompt's queries captured at prefill, the policy's preparation — is
-    paid back a few milliseconds per step, so a short answer would be slower than dense). reason: why
-    (shown in the generation's stats as ``sparse_auto``).
+    paid back a few milliseconds per step, so a short answer would be slower than dense). dense_steps:
+    decode steps a request takes densely before its sparse decoder is set up
+    (``SparseConfig.dense_steps``): an answer ending within them pays no set-up. reason: why (shown in the
+    generation's stats as ``sparse_auto``).
     """
 
     policy: str | None
@@ -54,6 +56,7 @@ class AutoSparse:
     options: dict[str, Any] = field(default_factory=dict)
     min_kept_tokens: int = 0
     min_new_tokens: int = 0
+    dense_steps: int = 0
 
     def __post_init__(self) -> None:
         validate_sparse(self.policy, self.kv_budget)
@@ -76,6 +79,12 @@ class AutoSparse:
             or self.min_new_tokens < 0
         ):
             raise ValueError(f"sparse_auto.min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
+        if (
+            isinstance(self.dense_steps, bool)
+            or not isinstance(self.dense_steps, int)
+            or self.dense_steps < 0
+        ):
+            raise ValueError(f"sparse_auto.dense_steps must be an int >= 0, got {self.dense_steps!r}")
 
     def policy_object(self) -> SparsePolicy | None:
         """A fresh policy with the calibrated options (None for dense); lists in JSON become tuples."""
@@ -85,8 +94,10 @@ class AutoSparse:
         return make_policy(self.policy, **options)
 
     def config(self) -> dict[str, Any]:
-        """The :class:`~semkv.sparse.decoder.SparseConfig` fields auto sets (the budget's floor)."""
-        return {"min_kept_tokens": self.min_kept_tokens} if self.min_kept_tokens else {}
+        """The :class:`~semkv.sparse.decoder.SparseConfig` fields auto sets (the budget's floor, the dense
+        steps before the set-up)."""
+        fields = {"min_kept_tokens": self.min_kept_tokens, "dense_steps": self.dense_steps}
+        return {name: value for name, value in fields.items() if value}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AutoSparse:
@@ -100,6 +111,7 @@ class AutoSparse:
             options=data.get("options") or {},
             min_kept_tokens=data.get("min_kept_tokens", 0),
             min_new_tokens=data.get("min_new_tokens", 0),
+            dense_steps=data.get("dense_steps", 0),
         )
 
 

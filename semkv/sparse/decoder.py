@@ -67,6 +67,9 @@ class SparseConfig:
         selection's share of a step several-fold at a quality cost not separated from zero
         (docs/benchmarks.md, "Sparse decode"). A request sets it with
         ``GenerateRequest.sparse_reselect_every``.
+    dense_steps: the engine decodes this many steps of a request densely before it sets the decoder up
+        (the prompt's block summaries, the policy's preparation): an answer that ends within them pays
+        no set-up. 0: set up before the first decode step. A fork's decoder is set up at once.
     """
 
     kv_budget: float | int = 0.1
@@ -79,6 +82,7 @@ class SparseConfig:
     dense_layers: tuple[int, ...] = ()
     layer_windows: tuple[int | None, ...] = ()
     reselect_every: int = 4
+    dense_steps: int = 0
     budget: Budget = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +106,12 @@ class SparseConfig:
             raise ValueError(f"reselect_every must be an int >= 1, got {self.reselect_every!r}")
         if self.reselect_every < 1:
             raise ValueError(f"reselect_every must be >= 1, got {self.reselect_every}")
+        if (
+            isinstance(self.dense_steps, bool)
+            or not isinstance(self.dense_steps, int)
+            or self.dense_steps < 0
+        ):
+            raise ValueError(f"dense_steps must be an int >= 0, got {self.dense_steps!r}")
 
 
 class SparseDecoder:

@@ -1,15 +1,18 @@
 """``sparse="auto"`` (the default): the calibrated profile's best policy, dense without a profile.
 
-Injected: engines without a profile, with a profile naming a policy / budget / minimum context, and with
-an older profile that has no ``sparse_auto`` entry; bad ``sparse_auto`` entries. Must happen: without a
-profile (or without the entry) auto decodes dense and the stats say why; with one, auto decodes with the
-profile's policy and budget (a request's own kv_budget still wins), dense below ``min_context``; a bad
-entry makes the profile ignored (a warning), never a failure at generation.
+Injected: engines without a profile, with a profile naming a policy / budget / minimum context / dense
+steps before the set-up, and with an older profile that has no ``sparse_auto`` entry; bad ``sparse_auto``
+entries. Must happen: without a profile (or without the entry) auto decodes dense and the stats say why;
+with one, auto decodes with the profile's policy and budget (a request's own kv_budget still wins), dense
+below ``min_context``; with ``dense_steps`` the first steps decode dense (the tokens a dense request gets)
+and the decoder is set up only after them (an answer ending within them never sets it up); a bad entry
+makes the profile ignored (a warning), never a failure at generation.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -81,6 +84,33 @@ def test_auto_is_dense_below_min_context_and_for_a_dense_choice(make_tiny_engine
     )
     g = _gen(_reopen(engine))
     assert "sparse_policy" not in g.stats and "no policy reached the target" in g.stats["sparse_auto"]
+
+
+def test_auto_decodes_its_dense_steps_before_setting_the_decoder_up(make_tiny_engine):
+    engine = make_tiny_engine("llama", block_size=4, disk=False)
+    auto = {"policy": "keykey", "kv_budget": 0.2, "dense_steps": 3}
+    write_profile(engine.config.home_path, _profile(engine, auto))
+    engine = _reopen(engine)
+    request = GenerateRequest(
+        prompt=PROMPT, max_new_tokens=8, stop_at_eos=False, reuse="none", store_prompt=False
+    )
+    seq = engine.prefill(request)
+    assert seq.sparse is not None and seq.sparse.config.dense_steps == 3
+    dense = engine.prefill(replace(request, sparse=None))
+    for _ in range(3):
+        engine.decode_step(seq)
+        engine.decode_step(dense)
+        assert seq.sparse.index is None  # still dense: nothing summarised, nothing prepared
+    assert seq.tokens == dense.tokens and seq.blocks.num_complete == 0
+    engine.decode(seq)
+    assert seq.sparse.index is seq.blocks
+    stats = engine.finish(seq).stats
+    assert stats["sparse_policy"] == "keykey" and stats["sparse_steps"] == 8 - 1 - 3
+    short = _gen(engine)  # 4 tokens: 3 decode steps, all of them dense
+    assert short.stats["sparse_policy"] == "keykey" and short.stats["sparse_steps"] == 0
+    assert "prepare_s" not in short.stats
+    with pytest.raises(ValueError, match="dense_steps"):
+        AutoSparse("keykey", 0.1, dense_steps=-1)
 
 
 def test_profile_without_auto_entry_decodes_dense(make_tiny_engine):
