@@ -321,7 +321,7 @@ class Engine:
         """The runtime's decode step alone: append ``token_id`` to the sequence's cache and return the
         logits [V], with no sampling, stop check or repair (e.g. to check a GPU step for host syncs)."""
         with self._lock:
-            return self.runtime.decode(seq.cache, token_id, self._sparse_gatherer(seq))
+            return self.runtime.decode(seq.cache, token_id, self._start_sparse(seq))
 
     def twin(self, **changes: Any) -> Engine:
         """Another engine over the same weights and tokenizer, its config changed by ``changes``
@@ -524,8 +524,9 @@ class Engine:
         outcome = job.outcome
         # The first token needs no block summaries, dense or sparse (it comes from the prefill's logits):
         # they are computed with the store after it (a noticeable part of a blend's TTFT), when a fork
-        # needs them, or before a sparse request's first decode step (_start_sparse), which also sets its
-        # decoder up then (summaries and the policy's preparation: a sparse request's TTFT is a dense one's).
+        # needs them, or before a sparse request's first sparse decode step (_start_sparse), which also sets
+        # its decoder up then (summaries and the policy's preparation: a sparse request's TTFT is a dense
+        # one's).
         blocks, summarise_s = self._summarise(job.cache, outcome, now=job.capture and job.sparse is None)
         seq = Sequence(
             request=job.request,
@@ -610,7 +611,7 @@ class Engine:
         with self._lock:
             if feed is not None:
                 seq.tokens[-1] = int(feed)
-            logits = self.runtime.decode(seq.cache, seq.tokens[-1], self._sparse_gatherer(seq))
+            logits = self.runtime.decode(seq.cache, seq.tokens[-1], self._start_sparse(seq))
             seq.sample(logits)
             if feed is None:
                 self.repair_loop(seq)
@@ -630,11 +631,9 @@ class Engine:
         they would have been)."""
         with self._lock:
             start = time.perf_counter()
-            ready = [self._sparse_ready(seq) for seq in seqs]
-            gatherers = [
-                self._sparse_gatherer(seq) if ok else None for seq, ok in zip(seqs, ready, strict=True)
-            ]
-            guards = [None if decoder is None else SelectionGuard(decoder) for decoder in gatherers]
+            started = [self._start_sparse_alone(seq) for seq in seqs]
+            ready = [ok for ok, _ in started]
+            guards = [None if decoder is None else SelectionGuard(decoder) for _, decoder in started]
             logits = self.runtime.decode_batch(
                 [seq.cache for seq in seqs],
                 [seq.tokens[-1] for seq in seqs],
@@ -658,37 +657,33 @@ class Engine:
                 seq.decode_s += elapsed
             return logits
 
-    def _start_sparse(self, seq: Sequence) -> None:
-        """Before a sparse sequence's first sparse decode step (after its decoder's ``dense_steps`` dense
-        ones): summarise its prompt's blocks (those its reused blocks carried, the rest from the rows) and
-        attach its decoder (the policy prepares: e.g. the query probe's choice). Nothing for a dense
-        sequence, one already started or one still in its dense steps. The time goes to the step that
-        calls it, never to the first token."""
+    def _start_sparse(self, seq: Sequence) -> SparseDecoder | None:
+        """What this decode step of ``seq`` attends through: its sparse decoder once set up, else None
+        (every row). Sets the decoder up before its first sparse step (after its ``dense_steps`` dense
+        ones): summarises the prompt's blocks (those its reused blocks carried, the rest from the rows)
+        and attaches it (the policy prepares: e.g. the query probe's choice). The time goes to the step
+        that calls it, never to the first token."""
         decoder = seq.sparse
-        if decoder is None or decoder.index is not None or seq.blocks is None:
-            return
-        if len(seq.tokens) - 1 < decoder.config.dense_steps:  # decode steps so far (the first token: prefill)
-            return
-        self._summarise_prompt(seq)
-        decoder.attach(seq.blocks)
+        if decoder is None:
+            return None
+        if decoder.index is None:
+            decoded = len(seq.tokens) - 1  # decode steps so far (the first token came with the prefill)
+            if seq.blocks is None or decoded < decoder.config.dense_steps:
+                return None
+            self._summarise_prompt(seq)
+            decoder.attach(seq.blocks)
+        return decoder
 
-    def _sparse_gatherer(self, seq: Sequence) -> SparseDecoder | None:
-        """What this step of ``seq`` attends through (:meth:`_start_sparse` first): its sparse decoder once
-        set up, else None (every row)."""
-        self._start_sparse(seq)
-        decoder = seq.sparse
-        return decoder if decoder is not None and decoder.index is not None else None
-
-    def _sparse_ready(self, seq: Sequence) -> bool:
-        """:meth:`_start_sparse` for one sequence of a batched step; False (and the sequence failed alone,
-        decoding densely in this step with nothing sampled) if its set-up raised."""
+    def _start_sparse_alone(self, seq: Sequence) -> tuple[bool, SparseDecoder | None]:
+        """:meth:`_start_sparse` for one sequence of a batched step: (True, what it attends through), or
+        (False, None) if its set-up raised (the sequence failed alone: it decodes densely in this step and
+        samples nothing)."""
         try:
-            self._start_sparse(seq)
+            return True, self._start_sparse(seq)
         except Exception as exc:
             self._fail_sequence(seq, exc, "its sparse set-up")
             seq.sparse = None
-            return False
-        return True
+            return False, None
 
     @staticmethod
     def _fail_sequence(seq: Sequence, exc: BaseException, where: str) -> None:

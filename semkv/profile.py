@@ -67,24 +67,10 @@ class AutoSparse:
             raise ValueError(f"sparse_auto.options must be a mapping, got {self.options!r}")
         if self.policy is not None:
             self.policy_object()  # a ValueError naming an unknown or bad option
-        if (
-            isinstance(self.min_context, bool)
-            or not isinstance(self.min_context, int)
-            or self.min_context < 0
-        ):
-            raise ValueError(f"sparse_auto.min_context must be an int >= 0, got {self.min_context!r}")
-        if (
-            isinstance(self.min_new_tokens, bool)
-            or not isinstance(self.min_new_tokens, int)
-            or self.min_new_tokens < 0
-        ):
-            raise ValueError(f"sparse_auto.min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
-        if (
-            isinstance(self.dense_steps, bool)
-            or not isinstance(self.dense_steps, int)
-            or self.dense_steps < 0
-        ):
-            raise ValueError(f"sparse_auto.dense_steps must be an int >= 0, got {self.dense_steps!r}")
+        for name in ("min_context", "min_new_tokens", "dense_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"sparse_auto.{name} must be an int >= 0, got {value!r}")
 
     def policy_object(self) -> SparsePolicy | None:
         """A fresh policy with the calibrated options (None for dense); lists in JSON become tuples."""

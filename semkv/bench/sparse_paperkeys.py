@@ -225,8 +225,7 @@ same cases; lost_vs_dense = cases dense solves and the run does not. how: fork =
 one prefilled case (the same first token); request = whole requests (`engine.generate`), auto against
 dense, interleaved (order alternating per case). request_time_vs_dense = dense's request time / auto's
 (> 1: auto faster), median of the per-case ratios with its interval; ttft_vs_dense: the same for the time
-to the first token. auto's choice per case (policy or
-why dense) is in the cases file (`sparse_auto`).
+to the first token. auto's choice per case (policy or why dense) is in the cases file (`sparse_auto`).
 """
 
 

@@ -22,9 +22,10 @@ handed out again is overwritten whole before it is indexed under its new key.
 
 Running sequences that hit the same pooled prefix share its rows: :meth:`PagePool.shared_prefix` makes
 one :class:`~semkv.models.cache.SharedPrefix` of the pages (views of the pool's buffers when the pages are
-consecutive, else one gather) that every cache starting with those pages reads while it lives (kept weakly under the key of every whole page it holds). A cache that must
-change a prefix row copies the prefix in first (copy-on-write of the whole prefix), and a cache left
-alone with it copies it in before decoding (one piece of attention is faster than two; docs/design.md).
+consecutive, else one gather) that every cache starting with those pages reads while it lives (kept
+weakly under the key of every whole page it holds). A cache that must change a prefix row copies the
+prefix in first (copy-on-write of the whole prefix), and a cache left alone with it copies it in before
+decoding (one piece of attention is faster than two; docs/design.md).
 """
 
 from __future__ import annotations
@@ -435,10 +436,8 @@ class PagePool:
         buffers = self.k_pre
 
         def read(layer: int, start: int, end: int) -> Tensor:
-            if isinstance(rows, slice):
-                first = rows.start + start
-                return buffers[layer][:, first : first + end - start]
-            return buffers[layer].index_select(1, rows[start:end])
+            part = slice(rows.start + start, rows.start + end) if isinstance(rows, slice) else rows[start:end]
+            return take_rows(buffers[layer], part)
 
         return read
 

@@ -29,6 +29,8 @@ INNOCENT_REQUEST = GenerateRequest(
     sparse=None,
 )
 HOSTILE_PROMPT = "Write a long story about a dragon."
+# a prompt of enough 4-token blocks for a sparse hostile request to select among
+SPARSE_PROMPT = " ".join(f"word{i} is number {i * 7 % 13}." for i in range(40))
 
 
 def hostile_request(**changes: Any) -> GenerateRequest:

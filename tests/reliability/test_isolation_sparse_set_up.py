@@ -14,14 +14,13 @@ from tests.reliability.isolation import (
     HOSTILE,
     INNOCENT,
     INNOCENT_REQUEST,
+    SPARSE_PROMPT,
     alone,
     assert_unharmed,
     hostile_request,
     run_together,
     running_sequence,
 )
-
-LONG = " ".join(f"word{i} is number {i * 7 % 13}." for i in range(40))
 
 
 def broken_set_up(*args, **kwargs):
@@ -37,7 +36,7 @@ def break_hostile_set_up(engine: Engine, step: int) -> None:
 
 def test_a_raising_sparse_set_up_ends_its_sequence_alone(make_tiny_engine):
     engine = make_tiny_engine("llama", block_size=4)
-    hostile = hostile_request(prompt=LONG, sparse="keykey", kv_budget=0.2)
+    hostile = hostile_request(prompt=SPARSE_PROMPT, sparse="keykey", kv_budget=0.2)
     solo = alone(engine)
 
     outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, break_hostile_set_up)
