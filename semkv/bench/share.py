@@ -189,6 +189,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="first-hit workload: profile one first and one repeated hit"
     )
+    parser.add_argument(
+        "--schedules",
+        default="",
+        help="first-hit workload: sweep share's recompute schedule instead, comma-separated "
+        "first_ratio/decay/min_ratio (the first is the baseline), e.g. 0.2/0.8/0.02,0.1/0.6/0.01; use a dev "
+        "split (--split val)",
+    )
 
 
 def _targets(args, tokenizer, papers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -229,6 +236,8 @@ def run(args) -> int:
     from semkv.engine import Engine
     from semkv.reuse.options import ShareConfig
 
+    if args.schedules and not args.first_hit:
+        raise SystemExit("--schedules sweeps the first-hit workload: add --first-hit")
     if args.first_hit:
         from semkv.bench.share_first import run_first_hit
 

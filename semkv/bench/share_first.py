@@ -16,6 +16,8 @@ the first and of the repeated hit over full prefill (geometric means), first / r
 first hit's text to full prefill's (on 0..1). ``--warmup-papers`` papers of the train split are served first (not
 measured): a process that has served a few prompts, with the matmul kernels of the common row buckets
 built. ``--profile`` adds a cProfile and a torch operator profile of one first and one repeated hit.
+``--schedules`` sweeps share's recompute schedule over the same targets instead
+(:mod:`semkv.bench.share_schedules`).
 """
 
 from __future__ import annotations
@@ -218,9 +220,11 @@ def profile_hits(engine, target: dict[str, Any], salt: str, out: Path) -> str:
 
 
 def run_first_hit(args) -> int:
+    from semkv.bench.share_schedules import parse_schedules, run_schedules
     from semkv.config import StoreConfig
     from semkv.engine import Engine
 
+    schedules = parse_schedules(args.schedules) if args.schedules else None  # bad input fails before loading
     torch.set_num_threads(args.threads or 1)
     engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
     tokenizer = engine.tokenizer
@@ -236,6 +240,8 @@ def run_first_hit(args) -> int:
     )
     for i, target in enumerate(tqdm(warm, desc="warm-up (not measured)")):
         serve_target(engine, target, f"warmup-{i}", 4, 1)
+    if schedules is not None:
+        return run_schedules(args, engine, targets, schedules)
     rows = []
     for i, target in enumerate(tqdm(targets, desc="share first hit")):
         rows.append(

@@ -270,20 +270,42 @@ class SharedStep:
 
 @dataclass(frozen=True)
 class RowSource:
-    """One piece of rows for :meth:`Runtime.load_pieces`: pre-RoPE keys and values [L, kvh, rows, d] (any
-    device and float dtype), or neither: ``rows`` rows a forward fills (:meth:`empty`)."""
+    """One piece of rows for :meth:`Runtime.load_pieces`: pre-RoPE keys and values [L, kvh, m, d] (any
+    device and float dtype), or neither: ``rows`` rows a forward fills (:meth:`empty`).
+
+    order: None (the piece's rows are k / v's m rows as they are) or int64 [n] on the host, the row of
+    k / v each of the piece's n rows takes (-1: a zero row), gathered layer by layer straight into the
+    cache (:meth:`gathered`): no rearranged copy of every layer first."""
 
     k: Tensor | None
     v: Tensor | None
     count: int = -1
+    order: Tensor | None = None
 
     @property
     def rows(self) -> int:
+        if self.order is not None:
+            return int(self.order.numel())
         return self.count if self.k is None else self.k.shape[2]
 
     @classmethod
     def empty(cls, rows: int) -> RowSource:
         return cls(None, None, rows)
+
+    @classmethod
+    def gathered(cls, k: Tensor, v: Tensor, order: Tensor) -> RowSource:
+        """Rows ``order`` [n] (-1: zero) of k, v [L, kvh, m, d]."""
+        if order.dim() != 1 or (order.numel() and int(order.max()) >= k.shape[2]):
+            raise ValueError(f"row order must be 1-D with entries < {k.shape[2]}")
+        return cls(k, v, order=order.to("cpu", torch.long))
+
+    def taken(self) -> tuple[Tensor | None, Tensor | None]:
+        """(rows of k / v taken [n] on k's device, offsets [z] of the zero rows on the host, None if none);
+        (None, None) for a piece without an order."""
+        if self.order is None or self.k is None:
+            return None, None
+        gaps = (self.order < 0).nonzero().squeeze(1)
+        return self.order.clamp_min(0).to(self.k.device), (gaps if gaps.numel() else None)
 
 
 class Runtime:
@@ -461,21 +483,34 @@ class Runtime:
         k32 = torch.empty(shape, dtype=torch.float32, device=self.device)
         turned = torch.empty(shape, dtype=torch.float32, device=self.device)
         tables = self.rope_tables(positions)
+        orders = [self._piece_order(piece) for piece in pieces]
         for layer in range(self.num_layers):
             k_pre, k_rot, v = cache.row_buffers(layer, rows)
             at = 0
-            for piece in pieces:
+            for index, piece in enumerate(pieces):
                 span = slice(at, at + piece.rows)
                 at = span.stop
                 if piece.k is None or piece.v is None:
                     k_pre[:, span].zero_()
                     turned[:, span].zero_()
                 else:
-                    k_pre[:, span].copy_(piece.k[layer])
-                    turned[:, span].copy_(piece.v[layer].to(self.device, self.kv_dtype))
+                    take, gaps = orders[index]
+                    k_layer, v_layer = piece.k[layer], piece.v[layer]
+                    if take is not None:  # gathered straight into the cache's rows
+                        k_layer, v_layer = k_layer.index_select(1, take), v_layer.index_select(1, take)
+                    k_pre[:, span].copy_(k_layer)
+                    turned[:, span].copy_(v_layer.to(self.device, self.kv_dtype))
+                    if gaps is not None:
+                        k_pre[:, span].index_fill_(1, gaps, 0)
+                        turned[:, span].index_fill_(1, gaps, 0)
             v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
             k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))
         return start
+
+    def _piece_order(self, piece: RowSource) -> tuple[Tensor | None, Tensor | None]:
+        """A gathered piece's rows to take (on its KV's device) and zero rows (on this device)."""
+        take, gaps = piece.taken()
+        return take, (None if gaps is None else gaps.to(self.device))
 
     def write_fresh(
         self, cache: KVCache, layer: int, rows: Tensor | slice, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
@@ -714,6 +749,8 @@ class RowsPass:
         self.key_rows = runtime.attended_rows(cache) if self.attend is attention else cache.length
         self.attended_pos = padded_positions(self.k_pos, self.key_rows)
         self.compares_cached = getattr(selector, "compares_cached", True)
+        # a selector may say at which layers it reads the reused KV (SelectiveRecompute: scheduled ones)
+        self.compares_at: Callable[[int], bool] = getattr(selector, "compares_at", lambda layer: True)
         self.stop_after = stop_after
         self.layers = a.num_layers if stop_after is None else min(stop_after, a.num_layers - 1) + 1
         self.plans = GemmPlans()
@@ -774,12 +811,13 @@ class RowsPass:
         runtime, cache, selector = self.runtime, self.cache, self.selector
         assert selector is not None
         cached_k = cached_v = None
-        if self.compares_cached:
+        compares = self.compares_cached and self.compares_at(layer)
+        if compares:
             cached_k = cache.k_pre[layer][:, rows].float()
             cached_v = cache.v[layer][:, rows].float()
         k_pre = runtime.write_fresh(cache, layer, rows, k, v, cos, sin)
         inputs = LayerInputs.at(runtime.adapter, cache, layer, q, cos, sin, self.q_pos, self.start)
-        fresh_k, fresh_v = (k_pre.float(), v.float()) if self.compares_cached else (k_pre, v)
+        fresh_k, fresh_v = (k_pre.float(), v.float()) if compares else (k_pre, v)
         keep = selector.select(layer, self.active, fresh_k, fresh_v, cached_k, cached_v, inputs)
         if keep.numel() == 0:
             raise RuntimeError("a recompute selector must keep the last row")

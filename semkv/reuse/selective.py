@@ -79,6 +79,11 @@ class SelectiveRecompute:
             return torch.arange(active.numel(), device=active.device)
         return self._keep(layer, active, fresh_k, fresh_v, cached_k, cached_v, inputs)
 
+    def compares_at(self, layer: int) -> bool:
+        """Whether :meth:`select` reads the reused KV at ``layer``: only at scheduled layers (elsewhere
+        every active row goes on), so the runtime gathers it for no other layer."""
+        return layer in self.schedule
+
     def preselect(self) -> Tensor | None:
         """The rows [K] (offsets, ascending) kept through every layer, when the choice needs nothing a
         forward computes: the only check layer is 0 and the selector does not rank by KV deviation

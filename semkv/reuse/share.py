@@ -29,10 +29,10 @@ Below ``min_match_rate`` (share of tokens matched in aligned runs: the only matc
 whose context is the reference's) the path is refused with the reason.
 
 Prefill: the leading tokens identical to the reference's are exact and loaded as
-they are; the rest get the reference K/V gathered in the new order and re-rotated to
-their new positions (:meth:`Runtime.load_rows`), and one :meth:`Runtime.forward_rows`
-pass with the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses)
-recomputes layer 0 fully, unmatched tokens and the last token always, and from layer
+they are; the rest get the reference K/V gathered in the new order, layer by layer
+straight into the cache, and re-rotated to their new positions (:meth:`Runtime.load_pieces`
+with a :meth:`RowSource.gathered` piece), and one :meth:`Runtime.forward_rows` pass with
+the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses) recomputes layer 0 fully, unmatched tokens and the last token always, and from layer
 1 on the matched tokens whose fresh KV deviates most from the reused KV, a fraction
 that decays with depth (exponential by default, as in the paper; constant as an
 option). ``unmatched="drop"`` is the paper's "elimination" baseline: unmatched
@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
+from semkv.models.runtime import RowSource
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.lsh import (
@@ -348,15 +349,6 @@ def match_tokens(
     return TokenMatch(source, kind, exact_prefix_length(new_ids, ref_ids))
 
 
-def gather_rows(kv: Tensor, source: Tensor) -> Tensor:
-    """Rearrange reference KV [L, kvh, m, d] into the new order: [L, kvh, n, d]; rows whose
-    source is -1 are zero (they are recomputed or dropped)."""
-    source = source.to(kv.device)
-    out = kv.index_select(2, source.clamp_min(0))
-    out[:, :, source < 0] = 0
-    return out
-
-
 # -- the path ------------------------------------------------------------------------------------------
 @dataclass
 class SharePlan(Plan):
@@ -583,9 +575,12 @@ class SharePath:
                 keep = source >= 0
                 keep[-1] = True
                 rows, source = rows[keep], source[keep]
-            k = gather_rows(ref.k, source)
-            v = gather_rows(ref.v, source)
-            start = ctx.runtime.load_rows(cache, k, v, rows.to(device), [token_ids[int(i)] for i in rows])
+            start = ctx.runtime.load_pieces(
+                cache,
+                [RowSource.gathered(ref.k, ref.v, source)],
+                rows.to(device),
+                [token_ids[int(i)] for i in rows],
+            )
         forced = source < 0
         if config.scattered == "recompute":
             kinds = torch.from_numpy(match.kind[prefix:]).to(torch.long)[rows - prefix]

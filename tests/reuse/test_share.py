@@ -13,6 +13,7 @@ import torch
 from semkv.evaluation.essays import haystack
 from semkv.evaluation.metrics import logit_kl
 from semkv.models.adapters import apply_rope
+from semkv.models.runtime import RowSource
 from semkv.request import GenerateRequest
 from semkv.reuse.options import ShareConfig
 from semkv.reuse.share import (
@@ -21,7 +22,6 @@ from semkv.reuse.share import (
     SIGNATURE,
     UNMATCHED,
     align_runs,
-    gather_rows,
     match_signatures,
     match_tokens,
 )
@@ -91,12 +91,36 @@ def test_match_signatures_threshold():
     assert source.tolist() == [0, -1] and found.tolist() == [True, False]
 
 
-def test_gather_rows_rearranges_and_zeroes_unmatched():
-    kv = torch.arange(2 * 1 * 5 * 3, dtype=torch.float32).view(2, 1, 5, 3)
-    out = gather_rows(kv, torch.tensor([4, -1, 0, 0]))
-    assert torch.equal(out[:, :, 0], kv[:, :, 4])
-    assert torch.equal(out[:, :, 2], kv[:, :, 0]) and torch.equal(out[:, :, 3], kv[:, :, 0])
-    assert bool((out[:, :, 1] == 0).all())
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_gathered_rows_load_as_the_rearranged_copy(make_tiny_engine, kv_dtype):
+    """A share load gathers the reference's rows layer by layer straight into the cache
+    (``RowSource.gathered``): every row holds what loading the rearranged copy holds (rows of source -1
+    zero before any forward writes them), keys re-rotated to the new positions, bit for bit."""
+    engine = make_tiny_engine("llama", kv_dtype=kv_dtype, compute_dtype="bfloat16")
+    runtime = engine.runtime
+    layers, heads, dim = runtime.num_layers, runtime.adapter.num_kv_heads, runtime.adapter.head_dim
+    stored = torch.Generator().manual_seed(0)
+    k = torch.randn(layers, heads, 9, dim, generator=stored).to(runtime.kv_dtype)
+    v = torch.randn(layers, heads, 9, dim, generator=stored).to(runtime.kv_dtype)
+    source = torch.tensor([4, -1, 0, 0, 8, 7, -1])
+    positions = torch.arange(3, 10)
+    ids = list(range(7))
+
+    def rearranged(kv: torch.Tensor) -> torch.Tensor:
+        out = kv.index_select(2, source.clamp_min(0))
+        out[:, :, source < 0] = 0
+        return out
+
+    copied, gathered = runtime.new_cache(16), runtime.new_cache(16)
+    runtime.load_rows(copied, rearranged(k), rearranged(v), positions, ids)
+    runtime.load_pieces(gathered, [RowSource.gathered(k, v, source)], positions, ids)
+    for layer in range(layers):
+        assert torch.equal(gathered.k_pre[layer][:, :7], copied.k_pre[layer][:, :7])
+        assert torch.equal(gathered.keys(layer, 7), copied.keys(layer, 7))
+        assert torch.equal(gathered.values(layer, 7), copied.values(layer, 7))
+        assert bool((gathered.values(layer, 7)[:, [1, 6]] == 0).all())
+    with pytest.raises(ValueError, match="row order"):
+        RowSource.gathered(k, v, torch.tensor([9]))
 
 
 def test_share_config_schedules_and_validation():
