@@ -299,13 +299,13 @@ class RowSource:
             raise ValueError(f"row order must be 1-D with entries < {k.shape[2]}")
         return cls(k, v, order=order.to("cpu", torch.long))
 
-    def taken(self) -> tuple[Tensor | None, Tensor | None]:
-        """(rows of k / v taken [n] on k's device, offsets [z] of the zero rows on the host, None if none);
-        (None, None) for a piece without an order."""
+    def taken(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """(rows of k / v taken [n] on k's device, offsets [z] of the zero rows on ``device`` (the cache's),
+        None if none); (None, None) for a piece without an order."""
         if self.order is None or self.k is None:
             return None, None
         gaps = (self.order < 0).nonzero().squeeze(1)
-        return self.order.clamp_min(0).to(self.k.device), (gaps if gaps.numel() else None)
+        return self.order.clamp_min(0).to(self.k.device), (gaps.to(device) if gaps.numel() else None)
 
 
 class Runtime:
@@ -483,7 +483,7 @@ class Runtime:
         k32 = torch.empty(shape, dtype=torch.float32, device=self.device)
         turned = torch.empty(shape, dtype=torch.float32, device=self.device)
         tables = self.rope_tables(positions)
-        orders = [self._piece_order(piece) for piece in pieces]
+        orders = [piece.taken(self.device) for piece in pieces]
         for layer in range(self.num_layers):
             k_pre, k_rot, v = cache.row_buffers(layer, rows)
             at = 0
@@ -506,11 +506,6 @@ class Runtime:
             v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
             k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))
         return start
-
-    def _piece_order(self, piece: RowSource) -> tuple[Tensor | None, Tensor | None]:
-        """A gathered piece's rows to take (on its KV's device) and zero rows (on this device)."""
-        take, gaps = piece.taken()
-        return take, (None if gaps is None else gaps.to(self.device))
 
     def write_fresh(
         self, cache: KVCache, layer: int, rows: Tensor | slice, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor

@@ -32,11 +32,12 @@ Prefill: the leading tokens identical to the reference's are exact and loaded as
 they are; the rest get the reference K/V gathered in the new order, layer by layer
 straight into the cache, and re-rotated to their new positions (:meth:`Runtime.load_pieces`
 with a :meth:`RowSource.gathered` piece), and one :meth:`Runtime.forward_rows` pass with
-the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses) recomputes layer 0 fully, unmatched tokens and the last token always, and from layer
-1 on the matched tokens whose fresh KV deviates most from the reused KV, a fraction
-that decays with depth (exponential by default, as in the paper; constant as an
-option). ``unmatched="drop"`` is the paper's "elimination" baseline: unmatched
-tokens are left out of the cache instead of being recomputed.
+the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses) recomputes layer 0
+fully, unmatched tokens and the last token always, and from layer 1 on the matched tokens
+whose fresh KV deviates most from the reused KV, a fraction that decays with depth
+(exponential by default, as in the paper; constant as an option). ``unmatched="drop"`` is
+the paper's "elimination" baseline: unmatched tokens are left out of the cache instead of
+being recomputed.
 """
 
 from __future__ import annotations

@@ -107,3 +107,15 @@ def assert_unharmed(together: Outcome, solo: Outcome) -> None:
     assert together.finish_reason == solo.finish_reason == "length"
     assert together.token_ids == solo.token_ids
     assert len(solo.token_ids) == INNOCENT_REQUEST.max_new_tokens
+
+
+def assert_sparse_fault_stays_alone(engine: Engine, inject: Injection, message: str) -> None:
+    """A hostile Key-Key request (a small budget, :data:`SPARSE_PROMPT`) decodes beside the dense innocent one
+    while ``inject`` breaks its sparse decoder: it ends alone with an error naming ``message``, and the
+    innocent request gets exactly its tokens alone."""
+    hostile = hostile_request(prompt=SPARSE_PROMPT, sparse="keykey", kv_budget=0.2)
+    solo = alone(engine)
+    outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, inject)
+    assert_unharmed(outcomes[INNOCENT], solo)
+    assert outcomes[HOSTILE].finish_reason == "error"
+    assert message in str(outcomes[HOSTILE].error)

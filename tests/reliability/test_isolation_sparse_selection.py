@@ -10,17 +10,7 @@ code the exception left the runtime's batched step and the scheduler ended both.
 from __future__ import annotations
 
 from semkv.engine import Engine
-from tests.reliability.isolation import (
-    HOSTILE,
-    INNOCENT,
-    INNOCENT_REQUEST,
-    SPARSE_PROMPT,
-    alone,
-    assert_unharmed,
-    hostile_request,
-    run_together,
-    running_sequence,
-)
+from tests.reliability.isolation import HOSTILE, assert_sparse_fault_stays_alone, running_sequence
 
 
 def broken_selection(*args, **kwargs):
@@ -37,11 +27,4 @@ def break_hostile_selection(engine: Engine, step: int) -> None:
 
 def test_a_raising_sparse_selection_ends_its_sequence_alone(make_tiny_engine):
     engine = make_tiny_engine("llama", block_size=4)
-    hostile = hostile_request(prompt=SPARSE_PROMPT, sparse="keykey", kv_budget=0.2)
-    solo = alone(engine)
-
-    outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, break_hostile_selection)
-
-    assert_unharmed(outcomes[INNOCENT], solo)
-    assert outcomes[HOSTILE].finish_reason == "error"
-    assert "injected sparse selection failure" in str(outcomes[HOSTILE].error)
+    assert_sparse_fault_stays_alone(engine, break_hostile_selection, "injected sparse selection failure")

@@ -10,17 +10,7 @@ that set decoders up inside the prefill the injection came too late (the hostile
 from __future__ import annotations
 
 from semkv.engine import Engine
-from tests.reliability.isolation import (
-    HOSTILE,
-    INNOCENT,
-    INNOCENT_REQUEST,
-    SPARSE_PROMPT,
-    alone,
-    assert_unharmed,
-    hostile_request,
-    run_together,
-    running_sequence,
-)
+from tests.reliability.isolation import HOSTILE, assert_sparse_fault_stays_alone, running_sequence
 
 
 def broken_set_up(*args, **kwargs):
@@ -36,11 +26,4 @@ def break_hostile_set_up(engine: Engine, step: int) -> None:
 
 def test_a_raising_sparse_set_up_ends_its_sequence_alone(make_tiny_engine):
     engine = make_tiny_engine("llama", block_size=4)
-    hostile = hostile_request(prompt=SPARSE_PROMPT, sparse="keykey", kv_budget=0.2)
-    solo = alone(engine)
-
-    outcomes = run_together(engine, {INNOCENT: INNOCENT_REQUEST, HOSTILE: hostile}, break_hostile_set_up)
-
-    assert_unharmed(outcomes[INNOCENT], solo)
-    assert outcomes[HOSTILE].finish_reason == "error"
-    assert "injected sparse set-up failure" in str(outcomes[HOSTILE].error)
+    assert_sparse_fault_stays_alone(engine, break_hostile_set_up, "injected sparse set-up failure")
