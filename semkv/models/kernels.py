@@ -229,10 +229,24 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor
     return (out_a * w_a + out_b * w_b) / (w_a + w_b)
 
 
-GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (the best group size on CPU)
+GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (scattered rows; the best size without AMX)
 GEMM_WINDOW_SPAN = 1.0  # on window layers, a query group spans fewer positions than this x the window
 GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of this many keys
 GEMM_QUERY_BUCKET = 16  # a group's queries are computed as a multiple of this many (see _group_queries)
+
+
+def _dense_query_rows() -> int:
+    """The most queries a group of position-dense rows (a prefill) may hold: 256 on CPUs with AMX tiles,
+    whose matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else
+    :data:`GEMM_QUERY_ROWS` (measured no better there)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return 256 if amx is not None and bool(amx()) else GEMM_QUERY_ROWS
+    except RuntimeError:  # a build that cannot ask the CPU
+        return GEMM_QUERY_ROWS
+
+
+DENSE_QUERY_ROWS = _dense_query_rows()
 
 
 def gemm_attention(
@@ -372,22 +386,33 @@ class GemmPlans:
         return self._plans[key][2]
 
 
-def gemm_query_groups(q_pos: Tensor, window: int | None, ordered: bool) -> tuple[list[int], list[int]]:
-    """Query groups [starts[i], ends[i]) of at most :data:`GEMM_QUERY_ROWS` queries. On a window layer with
-    queries in position order a group also ends before a query :data:`GEMM_WINDOW_SPAN` x window positions
-    past its first: a group reads keys from its first query's window start to its last query, so scattered
-    queries (a blend's probe: the template and question rows over the whole prompt) would otherwise
-    read every key on every window layer."""
+def gemm_query_groups(
+    q_pos: Tensor, window: int | None, ordered: bool, dense_rows: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Query groups [starts[i], ends[i]): :data:`GEMM_QUERY_ROWS` queries each, or, for queries in position
+    order, up to ``dense_rows`` (default :data:`DENSE_QUERY_ROWS`) while the group's positions span fewer
+    than that many: a prefill's contiguous rows form taller groups (fewer, taller matmuls), while scattered
+    rows (a blend's or share's recompute) keep groups of :data:`GEMM_QUERY_ROWS`, whose key ranges (up to
+    each group's last query) would otherwise widen with the span. On a window layer a group also ends
+    before a query :data:`GEMM_WINDOW_SPAN` x window positions past its first: a group reads keys from its
+    first query's window start to its last query, so scattered queries (a blend's probe: the template and
+    question rows over the whole prompt) would otherwise read every key on every window layer."""
     tq = q_pos.shape[0]
-    if window is None or not ordered:
+    dense = DENSE_QUERY_ROWS if dense_rows is None else dense_rows
+    if not ordered or (window is None and dense <= GEMM_QUERY_ROWS):
         starts = list(range(0, tq, GEMM_QUERY_ROWS))
         return starts, [*starts[1:], tq]
     positions = q_pos.tolist()
-    span = max(1, int(GEMM_WINDOW_SPAN * window))
     starts, ends = [], []
     first = 0
     while first < tq:
-        end = min(first + GEMM_QUERY_ROWS, bisect.bisect_left(positions, positions[first] + span, first))
+        end = min(tq, first + GEMM_QUERY_ROWS)
+        if dense > GEMM_QUERY_ROWS:
+            taller = bisect.bisect_left(positions, positions[first] + dense, first, min(tq, first + dense))
+            end = max(end, taller)
+        if window is not None:
+            span = max(1, int(GEMM_WINDOW_SPAN * window))
+            end = min(end, bisect.bisect_left(positions, positions[first] + span, first))
         starts.append(first)
         ends.append(max(end, first + 1))
         first = ends[-1]

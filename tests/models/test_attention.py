@@ -175,7 +175,39 @@ def test_window_groups_bound_the_keys_read():
     assert gemm_query_groups(q_pos, None, True) == ([0], [8])
     assert gemm_query_groups(q_pos, 100, False) == ([0], [8])
     many = torch.arange(3 * GEMM_QUERY_ROWS)
-    assert gemm_query_groups(many, 10_000, True)[0] == [0, GEMM_QUERY_ROWS, 2 * GEMM_QUERY_ROWS]
+    at_most = GEMM_QUERY_ROWS  # no taller groups (a CPU without AMX)
+    assert gemm_query_groups(many, 10_000, True, at_most)[0] == [0, GEMM_QUERY_ROWS, 2 * GEMM_QUERY_ROWS]
+
+
+def test_dense_rows_form_taller_groups_scattered_rows_do_not():
+    """With taller groups allowed (``dense_rows``: AMX CPUs), a prefill's contiguous rows are grouped by
+    ``dense_rows``; scattered rows keep groups of GEMM_QUERY_ROWS (a taller group of them would read keys
+    up to a far later last query); a window still bounds a group's span; out of order, GEMM_QUERY_ROWS."""
+    contiguous = torch.arange(600)
+    assert gemm_query_groups(contiguous, None, True, 256) == ([0, 256, 512], [256, 512, 600])
+    assert gemm_query_groups(contiguous, 100, True, 256)[0] == [0, 100, 200, 300, 400, 500]
+    assert gemm_query_groups(contiguous, None, False, 256)[0] == list(range(0, 600, GEMM_QUERY_ROWS))
+    scattered = torch.arange(0, 6000, 10)  # 600 rows, 10 positions apart
+    starts, ends = gemm_query_groups(scattered, None, True, 256)
+    assert max(b - a for a, b in zip(starts, ends, strict=True)) == GEMM_QUERY_ROWS
+    half_dense = torch.cat((torch.arange(100), torch.arange(1000, 5000, 40)))  # 100 dense rows, then sparse
+    assert gemm_query_groups(half_dense, None, True, 256)[1][0] == 100
+
+
+@pytest.mark.parametrize("dense_rows", [GEMM_QUERY_ROWS, 256])
+def test_taller_groups_give_the_reference_attention(monkeypatch, dense_rows):
+    """A causal prefill, a suffix and a window layer's prefill computed in groups of ``dense_rows`` rows
+    match the reference (fp32 inputs: within fp32 rounding of the kernel's sums)."""
+    import semkv.models.kernels as kernels
+
+    monkeypatch.setattr(kernels, "DENSE_QUERY_ROWS", dense_rows)
+    for num_keys, num_queries, window in ((700, 700, None), (700, 300, None), (700, 700, 90)):
+        q, k, v, q_pos, k_pos = _case(11, num_keys, num_queries)
+        q_pos = k_pos[num_keys - num_queries :]
+        got = gemm_attention(q, k, v, q_pos, k_pos, 0.25, window)
+        torch.testing.assert_close(
+            got, reference(q, k, v, q_pos, k_pos, 0.25, window), **_fp32_tol(q, k, v, 0.25)
+        )
 
 
 def test_gemm_plans_carry_over_layers_of_one_forward():
