@@ -403,6 +403,7 @@ def gemm_query_groups(
         starts = list(range(0, tq, GEMM_QUERY_ROWS))
         return starts, [*starts[1:], tq]
     positions = q_pos.tolist()
+    span = None if window is None else max(1, int(GEMM_WINDOW_SPAN * window))
     starts, ends = [], []
     first = 0
     while first < tq:
@@ -410,8 +411,7 @@ def gemm_query_groups(
         if dense > GEMM_QUERY_ROWS:
             taller = bisect.bisect_left(positions, positions[first] + dense, first, min(tq, first + dense))
             end = max(end, taller)
-        if window is not None:
-            span = max(1, int(GEMM_WINDOW_SPAN * window))
+        if span is not None:
             end = min(end, bisect.bisect_left(positions, positions[first] + span, first))
         starts.append(first)
         ends.append(max(end, first + 1))
