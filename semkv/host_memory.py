@@ -15,8 +15,9 @@ the in-process benches). A thread with an arena of its own (glibc gives threads 
 engine thread) gains nothing: glibc unmaps such an arena's heaps as soon as they are empty. ``M_ARENA_MAX``
 cannot fix that from here: glibc fixes its arena limit the first time a thread needs an arena, so it only
 works from the environment, before the process starts. :func:`restart_with_one_arena` does that for
-``semkv serve``: it replaces the process (same pid) by itself with ``MALLOC_ARENA_MAX=1``, so the engine
-thread allocates from the main arena, which keeps its memory. The cost: the process keeps its peak heap
+``semkv serve``: it replaces the process (same pid) by itself with ``MALLOC_ARENA_MAX=1`` (and glibc's
+per-thread cache off, see :func:`one_arena_environment`), so the engine thread allocates from the main
+arena, which keeps its memory. The cost: the process keeps its peak heap
 (what a prefill's temporaries once needed stays reserved for the next one, as GPU caching allocators do).
 Where the C library is not glibc it does nothing.
 
@@ -45,6 +46,9 @@ M_MMAP_MAX = -4
 NEVER_TRIM_BYTES = 2**31 - 1  # mallopt takes an int: the largest trim threshold it accepts
 TOP_PAD_BYTES = 64 << 20
 ARENA_ENV = "MALLOC_ARENA_MAX"  # glibc's environment variable for its arena limit, read at process start
+TUNABLES_ENV = "GLIBC_TUNABLES"  # glibc's tunables, read at process start
+TCACHE_TUNABLE = "glibc.malloc.tcache_count"
+NO_TCACHE = f"{TCACHE_TUNABLE}=0"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -98,23 +102,37 @@ def give_back_freed_memory() -> bool:
 
 
 def one_arena_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """``environ`` with ``MALLOC_ARENA_MAX=1`` added, or None where a restart would change nothing: the C
-    library is not glibc, or the variable is set already (by the user, whose value is kept, or by an earlier
-    restart)."""
+    """``environ`` with ``MALLOC_ARENA_MAX=1`` and glibc's per-thread cache turned off (``tcache_count=0``
+    appended to ``GLIBC_TUNABLES``, unless the user set a count there), or None where a restart would change
+    nothing: the C library is not glibc, or ``MALLOC_ARENA_MAX`` is set already (by the user, whose value is
+    kept, or by an earlier restart).
+
+    Without the second setting a thread in the main arena sometimes never reuses the big blocks it frees
+    (each allocation a fresh block at the heap's top, faulted in anew), depending on the process's heap
+    layout; with it, it reuses them (docs/history/measurements.md, "Keeping freed memory";
+    tests/test_host_memory.py)."""
     if ARENA_ENV in environ or _glibc() is None:
         return None
-    return {**environ, ARENA_ENV: "1"}
+    tunables = environ.get(TUNABLES_ENV, "")
+    if TCACHE_TUNABLE not in tunables:
+        tunables = f"{tunables}:{NO_TCACHE}" if tunables else NO_TCACHE
+    return {**environ, ARENA_ENV: "1", TUNABLES_ENV: tunables}
 
 
 def restart_with_one_arena(command_line: Sequence[str]) -> None:
-    """Replace this process by ``python -m semkv *command_line`` with ``MALLOC_ARENA_MAX=1`` in its
-    environment (``os.execve``: the same pid, so a supervisor or a parent's handle keeps working), so that
-    every thread allocates from glibc's main arena and :func:`keep_freed_memory` covers them all. Returns
-    only where nothing is to be done (:func:`one_arena_environment`)."""
+    """Replace this process by ``python -m semkv *command_line`` in :func:`one_arena_environment`
+    (``MALLOC_ARENA_MAX=1``, no per-thread cache; ``os.execve``: the same pid, so a supervisor or a parent's
+    handle keeps working), so that every thread allocates from glibc's main arena and
+    :func:`keep_freed_memory` covers them all. Returns only where nothing is to be done."""
     environment = one_arena_environment(os.environ)
     if environment is None or not sys.executable:  # an embedded interpreter has no executable to restart
         return
-    log.info("restarting with %s=1 so that every thread keeps the memory it frees", ARENA_ENV)
+    log.info(
+        "restarting with %s=1 and %s=%s so that every thread keeps the memory it frees",
+        ARENA_ENV,
+        TUNABLES_ENV,
+        environment[TUNABLES_ENV],
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "semkv", *command_line], environment)

@@ -2,8 +2,9 @@
 
 Injected: a real ``semkv serve`` subprocess over a tiny checkpoint, started from an environment without
 the variable; then one started with ``--no-keep-freed-memory``. Must happen: the first process (same pid:
-the restart replaces it) serves with ``MALLOC_ARENA_MAX=1`` in its environment, so its engine thread
-allocates from glibc's main arena and keeps the memory it frees; the second is left as started.
+the restart replaces it) serves with ``MALLOC_ARENA_MAX=1`` and glibc's per-thread cache off
+(``GLIBC_TUNABLES``) in its environment, so its engine thread allocates from glibc's main arena and keeps
+the memory it frees; the second is left as started.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from semkv.host_memory import ARENA_ENV
+from semkv.host_memory import ARENA_ENV, NO_TCACHE, TUNABLES_ENV
 from semkv.server.process import ServeProcess
 from tests.server.conftest import TINY
 from tests.test_host_memory import glibc_only
@@ -27,6 +28,7 @@ def environment_of(pid: int) -> dict[str, str]:
 @pytest.fixture
 def no_arena_variable(monkeypatch):
     monkeypatch.delenv(ARENA_ENV, raising=False)
+    monkeypatch.delenv(TUNABLES_ENV, raising=False)
 
 
 @glibc_only
@@ -41,6 +43,8 @@ def test_serve_runs_with_one_arena_unless_told_not_to(keep, no_arena_variable, t
         with httpx.Client(base_url=server.url, timeout=60) as client:
             body = {"model": TINY, "prompt": "Ships were counted.", "max_tokens": 2}
             assert client.post("/v1/completions", json=body).status_code == 200
-        assert environment_of(server.proc.pid).get(ARENA_ENV) == ("1" if keep else None)
+        environment = environment_of(server.proc.pid)
+        assert environment.get(ARENA_ENV) == ("1" if keep else None)
+        assert environment.get(TUNABLES_ENV) == (NO_TCACHE if keep else None)
     finally:
         server.stop()
