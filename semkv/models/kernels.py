@@ -269,7 +269,8 @@ def gemm_attention(
     dtype as in flash kernels), then probabilities @ v. The query heads of one KV head are folded into
     the rows of one matmul, so each key block is read once per KV head; one 2-D matmul per KV head
     (torch's CPU bf16 batched matmul copies strided operands, such as a key range of a cache buffer,
-    first, which is slower).
+    first, which is slower); a group that reads every key of contiguous buffers takes one batched matmul
+    over the KV heads instead (:func:`_all_keys_group`: nothing to copy, fewer calls).
 
     q: [nh, Tq, d]; k, v: [kvh, Tk, d]; q_pos [Tq]; k_pos [Tk]; ordered: queries and keys are known to
     be in position order (None: check); plans: reuse the plan (query groups, key ranges, masks) made for
@@ -294,6 +295,9 @@ def gemm_attention(
     for a, b, lo, hi, biases in plan.groups:
         n, m = b - a, round_up(b - a, GEMM_QUERY_BUCKET)  # rows computed: the group's first
         group = _group_queries(rows, a, m)
+        if lo == 0 and hi == k.shape[1] and k.is_contiguous() and v.is_contiguous():
+            out[:, a:b] = _all_keys_group(group, k, v, n, biases)
+            continue
         for h in range(kvh):
             scores = torch.mm(group[h].view(m * rep, d), k[h, lo:hi].t())  # [m * rep, hi - lo]
             grid = scores[: n * rep].view(n, rep, hi - lo)
@@ -302,6 +306,25 @@ def gemm_attention(
             softmax_rows(scores, n * rep)
             out[h, a:b] = torch.mm(scores, v[h, lo:hi])[: n * rep].view(n, rep, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
+
+
+def _all_keys_group(
+    group: Tensor, k: Tensor, v: Tensor, n: int, biases: list[tuple[int, int, Tensor]]
+) -> Tensor:
+    """One query group that reads every key of contiguous ``k``, ``v`` [kvh, Tk, d] (a prefix hit's tail,
+    the last group of a prefill): two batched matmuls over the KV heads instead of two matmuls per head
+    (whole contiguous operands: nothing for the batched kernel to copy first; a short tail is bound by
+    per-call overhead). group: [kvh, m, rep, d] scaled queries, the first ``n`` real; biases: (first
+    column, end column, [n, columns] additive mask) on the columns some query must not see. Returns
+    [kvh, n, rep, d]."""
+    kvh, m, rep, d = group.shape
+    scores = torch.bmm(group.view(kvh, m * rep, d), k.transpose(1, 2))  # [kvh, m * rep, Tk]
+    real = scores[:, : n * rep]
+    grid = real.view(kvh, n, rep, k.shape[1])
+    for c0, c1, bias in biases:
+        grid[..., c0:c1] += bias.unsqueeze(1)
+    torch.softmax(real, dim=-1, out=real)
+    return torch.bmm(scores, v)[:, : n * rep].view(kvh, n, rep, d)
 
 
 def softmax_rows(scores: Tensor, rows: int) -> None:

@@ -256,3 +256,29 @@ def test_window_key_ranges_come_in_buckets():
                 **_fp32_tol(q, k, v, 0.25),
             )
     assert len(widths) <= 2200 // GEMM_KEY_BUCKET + 12  # without buckets: a new width for nearly every group
+
+
+@pytest.mark.parametrize("tail", [3, 18, GEMM_QUERY_ROWS + 5])
+def test_group_reading_every_key_batches_the_heads(monkeypatch, tail):
+    """A prefix hit's tail (queries at the end of contiguous keys) is computed with one batched matmul
+    over the KV heads per group that reads every key (the causal band masked by bias), matching the
+    reference in fp32, and in bf16 the per-head matmuls it replaces (fed the same keys as a strided
+    view, which keeps them) within bf16 rounding."""
+    import semkv.models.kernels as kernels
+
+    calls = []
+    batched = kernels._all_keys_group
+    monkeypatch.setattr(kernels, "_all_keys_group", lambda *a: calls.append(a[3]) or batched(*a))
+    q, k, v, q_pos, k_pos = _case(13, 500, tail)
+    q_pos = k_pos[-tail:]
+    got = gemm_attention(q, k, v, q_pos, k_pos, 0.25)
+    torch.testing.assert_close(got, reference(q, k, v, q_pos, k_pos, 0.25), **_fp32_tol(q, k, v, 0.25))
+    assert calls and sum(calls) <= tail  # the last group (or all of a short tail) took the batched path
+    low = [t.bfloat16() for t in (q, k, v)]
+    wide_k = torch.cat((low[1], low[1]), dim=2)[..., :16]  # the same keys, not contiguous
+    wide_v = torch.cat((low[2], low[2]), dim=2)[..., :16]
+    calls.clear()
+    per_head = gemm_attention(low[0], wide_k, wide_v, q_pos, k_pos, 0.25)
+    assert not calls
+    both = gemm_attention(*low, q_pos, k_pos, 0.25)
+    torch.testing.assert_close(both.float(), per_head.float(), atol=2 * 2**-8, rtol=2**-7)
