@@ -600,10 +600,13 @@ def batched_decode_with_prefixes(
         rows, picked = piece.keys.shape[1], piece.pick(q)
         count = picked.shape[0]
         grouped = picked.view(count, kvh, rep, d).transpose(0, 1).reshape(kvh, count * rep, d)
-        shared = torch.bmm(grouped, piece.keys.transpose(1, 2)).view(kvh, count, rep, rows).transpose(0, 1)
+        # pool page views are strided across heads, which the batched matmul would copy transposed
+        # (slower than this plain copy); scores come out contiguous, where the mask adds fast
+        keys = piece.keys.contiguous()
+        shared = torch.bmm(grouped, keys.transpose(1, 2)).view(kvh, count, rep, rows)
         if piece.bias is not None:
-            shared = shared + piece.bias
-        piece.place(scores[..., :rows], shared)
+            shared += piece.bias.transpose(0, 1)
+        piece.place(scores[..., :rows], shared.transpose(0, 1))
     probs = torch.softmax(scores, dim=-1)
     if everyone:
         out = q.new_empty((n, kvh, rep, d), dtype=torch.float32)

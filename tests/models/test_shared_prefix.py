@@ -31,10 +31,19 @@ STEPS = 5
 KVH, D, LAYERS = 2, 8, 2
 
 
-def _random_prefix(rows: int, seed: int, dtype: torch.dtype = torch.float32) -> SharedPrefix:
+def _random_prefix(
+    rows: int, seed: int, dtype: torch.dtype = torch.float32, pool_views: bool = False
+) -> SharedPrefix:
+    """Random rows; ``pool_views``: each layer's rows a range of a longer buffer (strided across heads, as
+    a prefix reading consecutive pool pages in place is)."""
     gen = torch.Generator().manual_seed(seed)
 
     def bufs() -> list[torch.Tensor]:
+        if pool_views:
+            return [
+                torch.randn(KVH, rows + 11, D, generator=gen).to(dtype)[:, 3 : 3 + rows]
+                for _ in range(LAYERS)
+            ]
         return [torch.randn(KVH, rows, D, generator=gen).to(dtype) for _ in range(LAYERS)]
 
     return SharedPrefix.of_rows(bufs(), bufs(), bufs(), token_ids=list(range(rows)))
@@ -84,14 +93,16 @@ def test_reads_writes_and_copies_of_a_cache_on_a_shared_prefix():
     assert not prefix.holders
 
 
+@pytest.mark.parametrize("pool_views", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_piece_kernel_matches_attention_over_the_joined_rows(dtype):
+def test_two_piece_kernel_matches_attention_over_the_joined_rows(dtype, pool_views):
     """Sequences 0 and 2 read prefix A (9 rows; sequence 2 only its first 5), 3 reads prefix B (14
     rows), 1 has none; own rows of different lengths are masked past each length. Then all four read
-    prefix B whole (the path without indexing)."""
+    prefix B whole (the path without indexing). Prefix rows held contiguous, or as views of longer
+    buffers (a prefix on pool pages)."""
     nh, width, n = 4, 6, 4
     gen = torch.Generator().manual_seed(3)
-    prefix_a, prefix_b = _random_prefix(9, 4, dtype), _random_prefix(14, 5, dtype)
+    prefix_a, prefix_b = _random_prefix(9, 4, dtype, pool_views), _random_prefix(14, 5, dtype, pool_views)
     q = (torch.randn(n, nh, D, generator=gen) * D**-0.5).to(dtype)
     k = torch.randn(n, KVH, width, D, generator=gen).to(dtype)
     v = torch.randn(n, KVH, width, D, generator=gen).to(dtype)
