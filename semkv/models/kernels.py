@@ -319,11 +319,14 @@ def _all_keys_group(
     [kvh, n, rep, d]."""
     kvh, m, rep, d = group.shape
     scores = torch.bmm(group.view(kvh, m * rep, d), k.transpose(1, 2))  # [kvh, m * rep, Tk]
-    real = scores[:, : n * rep]
-    grid = real.view(kvh, n, rep, k.shape[1])
+    grid = scores[:, : n * rep].view(kvh, n, rep, k.shape[1])
     for c0, c1, bias in biases:
         grid[..., c0:c1] += bias.unsqueeze(1)
-    torch.softmax(real, dim=-1, out=real)
+    if n == m:
+        torch.softmax(scores, dim=-1, out=scores)
+    else:  # each head's real rows are contiguous, their slice over all heads is not (softmax would copy)
+        for head in scores:
+            softmax_rows(head, n * rep)
     return torch.bmm(scores, v)[:, : n * rep].view(kvh, n, rep, d)
 
 
