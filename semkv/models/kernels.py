@@ -13,6 +13,9 @@ Two families of kernels, chosen by the compute dtype:
   CPU flash kernel gains nothing from bf16 (it computes in fp32) and its single-query path is slower in
   bf16 than in fp32, while bf16 matmuls run several times faster than fp32 ones on CPUs with
   AVX512-BF16, so blocked matmul attention is the faster kernel there, for prefill and decode alike.
+  On CPUs with AMX tiles torch's flash kernel runs its bf16 products on them: there scattered rows (a
+  blend's or share's recompute) go through it with a mask (:func:`scattered_flash_attention`), while a
+  prefill's rows stay on the matmuls, which a prefix hit's tail must match.
 """
 
 from __future__ import annotations
@@ -235,18 +238,23 @@ GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of
 GEMM_QUERY_BUCKET = 16  # a group's queries are computed as a multiple of this many (see _group_queries)
 
 
-def _dense_query_rows() -> int:
-    """The most queries a group of position-dense rows (a prefill) may hold: 256 on CPUs with AMX tiles,
-    whose matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else
-    :data:`GEMM_QUERY_ROWS` (measured no better there)."""
+def _has_amx() -> bool:
+    """The CPU has AMX tiles (and torch can tell)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:
-        return 256 if amx is not None and bool(amx()) else GEMM_QUERY_ROWS
+        return amx is not None and bool(amx())
     except RuntimeError:  # a build that cannot ask the CPU
-        return GEMM_QUERY_ROWS
+        return False
 
 
-DENSE_QUERY_ROWS = _dense_query_rows()
+# The most queries a group of position-dense rows (a prefill) may hold: 256 on CPUs with AMX tiles, whose
+# matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else GEMM_QUERY_ROWS
+# (measured no better there).
+DENSE_QUERY_ROWS = 256 if _has_amx() else GEMM_QUERY_ROWS
+# Scattered rows (a blend's or share's recompute, not a prefill's suffix) go through torch's CPU flash
+# kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it beat these matmuls
+# (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the slower kernel.
+SCATTERED_ROWS_FLASH = _has_amx() and _FLASH_CPU is not None
 
 
 def gemm_attention(
@@ -280,6 +288,8 @@ def gemm_attention(
     nh, tq, d = q.shape
     kvh = k.shape[0]
     rep = nh // kvh
+    if tq > 1 and SCATTERED_ROWS_FLASH and not _one_run(q_pos):
+        return scattered_flash_attention(q, k, v, q_pos, k_pos, scaling, window, ordered)
     q = q * scaling
     if tq == 1:
         if ordered is None:
@@ -306,6 +316,50 @@ def gemm_attention(
             softmax_rows(scores, n * rep)
             out[h, a:b] = torch.mm(scores, v[h, lo:hi])[: n * rep].view(n, rep, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
+
+
+def _one_run(q_pos: Tensor) -> bool:
+    """The queries are consecutive positions in order (a prefill, or a piece of one after reused rows)."""
+    return int(q_pos[-1] - q_pos[0]) == q_pos.shape[0] - 1 and in_order(q_pos)
+
+
+def scattered_flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scaling: float,
+    window: int | None = None,
+    ordered: bool | None = None,
+) -> Tensor:
+    """Queries at scattered positions (not one run of positions) through torch's CPU flash kernel, one
+    call with a boolean mask from positions [Tq, keys] shared by every head (GQA: each query head reads
+    its KV head). In position order only the keys some query can see are passed: up to the last query,
+    from the first query's window start. The kernel accumulates scores and sums in float32 and rounds
+    once; a prefill's rows (one run) stay on :func:`gemm_attention`'s matmuls, so a prefix hit's tail
+    computes what the full prefill computes. q: [nh, Tq, d]; k, v: [kvh, Tk, d]. Returns [Tq, nh * d]."""
+    nh, tq, d = q.shape
+    lo, hi = 0, k.shape[1]
+    if ordered is None:
+        ordered = in_order(q_pos) and in_order(k_pos)
+    if ordered:
+        hi = int(torch.searchsorted(k_pos, q_pos[-1:], right=True))
+        if window is not None:
+            lo = int(torch.searchsorted(k_pos, q_pos[:1] - window + 1))
+    keys = k_pos[lo:hi]
+    visible = keys.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        visible &= (q_pos.unsqueeze(1) - keys.unsqueeze(0)) < window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0),
+        k[:, lo:hi].unsqueeze(0),
+        v[:, lo:hi].unsqueeze(0),
+        attn_mask=visible,
+        scale=scaling,
+        enable_gqa=nh != k.shape[0],
+    )
+    return out[0].transpose(0, 1).reshape(tq, nh * d)
 
 
 def _all_keys_group(

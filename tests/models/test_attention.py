@@ -20,6 +20,15 @@ from semkv.models.kernels import (
 from tests.tolerances import attention_atol
 
 
+@pytest.fixture(autouse=True)
+def matmul_kernel_for_scattered_rows(monkeypatch):
+    """Scattered rows stay on the matmul kernel, whatever the CPU (on AMX CPUs they would go through the
+    flash kernel: tested on its own below)."""
+    import semkv.models.kernels as kernels
+
+    monkeypatch.setattr(kernels, "SCATTERED_ROWS_FLASH", False)
+
+
 def _fp32_tol(q, k, v, scaling) -> dict[str, float]:
     """What two fp32 attention kernels' summation orders may leave between their outputs
     (:func:`tests.tolerances.attention_atol`)."""
@@ -282,3 +291,29 @@ def test_group_reading_every_key_batches_the_heads(monkeypatch, tail):
     assert not calls
     both = gemm_attention(*low, q_pos, k_pos, 0.25)
     torch.testing.assert_close(both.float(), per_head.float(), atol=2 * 2**-8, rtol=2**-7)
+
+
+@pytest.mark.parametrize("window, shuffle", [(None, False), (90, False), (None, True), (90, True)])
+def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, window, shuffle):
+    """With SCATTERED_ROWS_FLASH (AMX CPUs), scattered bf16 queries (a recompute's rows; in order or not,
+    with or without a window) go through the flash kernel with a mask from positions and match the
+    reference within bf16 rounding; a run of consecutive rows (a prefill, a prefix hit's tail) stays on
+    the matmuls, which a hit's tail must share with the full prefill."""
+    import semkv.models.kernels as kernels
+
+    monkeypatch.setattr(kernels, "SCATTERED_ROWS_FLASH", True)
+    calls = []
+    flash = kernels.scattered_flash_attention
+    monkeypatch.setattr(kernels, "scattered_flash_attention", lambda *a: calls.append(1) or flash(*a))
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, q_pos, k_pos = _case(17, 700, 150)
+    if shuffle:
+        order = torch.randperm(700, generator=gen)
+        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    expected = reference(q, k, v, q_pos, k_pos, 0.25, window)
+    got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, k_pos, 0.25, window)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=0)
+    tail = k_pos.sort().values[-40:]
+    attention(q[:, :40].bfloat16(), k.bfloat16(), v.bfloat16(), tail, k_pos, 0.25, window)
+    assert calls == [1]  # consecutive rows: the matmul kernel

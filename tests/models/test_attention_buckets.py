@@ -59,6 +59,15 @@ def test_keys_past_the_valid_rows_change_nothing(case: str) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
+@pytest.fixture(autouse=True)
+def matmul_kernel_for_scattered_rows(monkeypatch):
+    """Scattered rows stay on the matmul kernel, whose shapes these tests check, whatever the CPU (AMX
+    CPUs would send them through the flash kernel)."""
+    import semkv.models.kernels as kernels
+
+    monkeypatch.setattr(kernels, "SCATTERED_ROWS_FLASH", False)
+
+
 class MatmulShapes(TorchDispatchMode):
     """Records the operand shapes of every aten.mm call, and of every aten.bmm call less its batch dim."""
 
