@@ -14,8 +14,9 @@ Two families of kernels, chosen by the compute dtype:
   bf16 than in fp32, while bf16 matmuls run several times faster than fp32 ones on CPUs with
   AVX512-BF16, so blocked matmul attention is the faster kernel there, for prefill and decode alike.
   On CPUs with AMX tiles torch's flash kernel runs its bf16 products on them: there scattered rows (a
-  blend's or share's recompute) go through it with a mask (:func:`scattered_flash_attention`), while a
-  prefill's rows stay on the matmuls, which a prefix hit's tail must match.
+  blend's or share's recompute) on global layers go through it with a mask
+  (:func:`scattered_flash_attention`), while a prefill's rows stay on the matmuls, which a prefix hit's
+  tail must match, and window layers keep them too.
 """
 
 from __future__ import annotations
@@ -251,9 +252,11 @@ def _has_amx() -> bool:
 # matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else GEMM_QUERY_ROWS
 # (measured no better there).
 DENSE_QUERY_ROWS = 256 if _has_amx() else GEMM_QUERY_ROWS
-# Scattered rows (a blend's or share's recompute, not a prefill's suffix) go through torch's CPU flash
-# kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it beat these matmuls
-# (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the slower kernel.
+# Scattered rows (a blend's or share's recompute, not a prefill's suffix) on global layers go through
+# torch's CPU flash kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it
+# beat these matmuls (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the
+# slower kernel. Window layers keep the matmuls, whose query groups read ~2 windows of keys each where
+# one masked call reads every key up to the last query (Gemma 3's blend was slower that way).
 SCATTERED_ROWS_FLASH = _has_amx() and _FLASH_CPU is not None
 
 
@@ -288,7 +291,7 @@ def gemm_attention(
     nh, tq, d = q.shape
     kvh = k.shape[0]
     rep = nh // kvh
-    if tq > 1 and SCATTERED_ROWS_FLASH and not _one_run(q_pos):
+    if tq > 1 and window is None and SCATTERED_ROWS_FLASH and not _one_run(q_pos):
         return scattered_flash_attention(q, k, v, q_pos, k_pos, scaling, window, ordered)
     q = q * scaling
     if tq == 1:

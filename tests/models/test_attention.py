@@ -16,6 +16,7 @@ from semkv.models.kernels import (
     attention,
     gemm_attention,
     gemm_query_groups,
+    scattered_flash_attention,
 )
 from tests.tolerances import attention_atol
 
@@ -293,12 +294,12 @@ def test_group_reading_every_key_batches_the_heads(monkeypatch, tail):
     torch.testing.assert_close(both.float(), per_head.float(), atol=2 * 2**-8, rtol=2**-7)
 
 
-@pytest.mark.parametrize("window, shuffle", [(None, False), (90, False), (None, True), (90, True)])
-def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, window, shuffle):
-    """With SCATTERED_ROWS_FLASH (AMX CPUs), scattered bf16 queries (a recompute's rows; in order or not,
-    with or without a window) go through the flash kernel with a mask from positions and match the
-    reference within bf16 rounding; a run of consecutive rows (a prefill, a prefix hit's tail) stays on
-    the matmuls, which a hit's tail must share with the full prefill."""
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, shuffle):
+    """With SCATTERED_ROWS_FLASH (AMX CPUs), scattered bf16 queries (a recompute's rows; in order or not)
+    on a global layer go through the flash kernel with a mask from positions and match the reference
+    within bf16 rounding; a run of consecutive rows (a prefill, a prefix hit's tail) stays on the matmuls,
+    which a hit's tail must share with the full prefill, and so does a window layer."""
     import semkv.models.kernels as kernels
 
     monkeypatch.setattr(kernels, "SCATTERED_ROWS_FLASH", True)
@@ -310,10 +311,25 @@ def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, wi
     if shuffle:
         order = torch.randperm(700, generator=gen)
         k, v, k_pos = k[:, order], v[:, order], k_pos[order]
-    expected = reference(q, k, v, q_pos, k_pos, 0.25, window)
-    got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_pos, k_pos, 0.25, window)
+    low = [t.bfloat16() for t in (q, k, v)]
+    got = attention(*low, q_pos, k_pos, 0.25)
     assert calls == [1]
-    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=0)
+    torch.testing.assert_close(got.float(), reference(q, k, v, q_pos, k_pos, 0.25), atol=3e-2, rtol=0)
+    attention(*low, q_pos, k_pos, 0.25, 90)
     tail = k_pos.sort().values[-40:]
-    attention(q[:, :40].bfloat16(), k.bfloat16(), v.bfloat16(), tail, k_pos, 0.25, window)
-    assert calls == [1]  # consecutive rows: the matmul kernel
+    attention(low[0][:, :40], low[1], low[2], tail, k_pos, 0.25)
+    assert calls == [1]  # a window layer, consecutive rows: the matmul kernel
+
+
+@pytest.mark.parametrize("window, shuffle", [(None, False), (90, False), (None, True), (90, True)])
+def test_scattered_flash_attention_matches_the_reference(window, shuffle):
+    """The flash path on its own: scattered queries, keys in position order or shuffled, with or without a
+    window (its mask from positions), within bf16 rounding of the reference."""
+    gen = torch.Generator().manual_seed(19)
+    q, k, v, q_pos, k_pos = _case(19, 700, 150)
+    if shuffle:
+        order = torch.randperm(700, generator=gen)
+        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    low = [t.bfloat16() for t in (q, k, v)]
+    got = scattered_flash_attention(*low, q_pos, k_pos, 0.25, window)
+    torch.testing.assert_close(got.float(), reference(q, k, v, q_pos, k_pos, 0.25, window), atol=3e-2, rtol=0)
