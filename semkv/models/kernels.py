@@ -92,6 +92,15 @@ def in_order(positions: Tensor) -> bool:
     return not bool((positions[1:] < positions[:-1]).any())
 
 
+def visible_keys(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Bool [Tq, Tk]: query i (at ``q_pos[i]``) sees key j (at ``k_pos[j]``): not later, and within the
+    window where there is one."""
+    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    if window is not None:
+        visible &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+    return visible
+
+
 def _query_groups(q_pos: Tensor, k_pos: Tensor, window: int | None) -> list[tuple[slice, slice]]:
     """Split queries into position-ordered groups, each with the only key range it can see.
 
@@ -129,9 +138,7 @@ def _masked_attention(
     gqa: bool,
 ) -> Tensor:
     """SDPA over [1, heads, T, d] inputs with the mask from positions; returns [1, nh, Tq, d]."""
-    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    if window is not None:
-        mask &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
+    mask = visible_keys(q_pos, k_pos, window)
     if bool(mask.all()):
         mask = None
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scaling, enable_gqa=gqa)
@@ -251,13 +258,14 @@ def _has_amx() -> bool:
 # The most queries a group of position-dense rows (a prefill) may hold: 256 on CPUs with AMX tiles, whose
 # matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else GEMM_QUERY_ROWS
 # (measured no better there).
-DENSE_QUERY_ROWS = 256 if _has_amx() else GEMM_QUERY_ROWS
+_AMX = _has_amx()
+DENSE_QUERY_ROWS = 256 if _AMX else GEMM_QUERY_ROWS
 # Scattered rows (a blend's or share's recompute, not a prefill's suffix) on global layers go through
 # torch's CPU flash kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it
 # beat these matmuls (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the
 # slower kernel. Window layers keep the matmuls, whose query groups read ~2 windows of keys each where
 # one masked call reads every key up to the last query (Gemma 3's blend was slower that way).
-SCATTERED_ROWS_FLASH = _has_amx() and _FLASH_CPU is not None
+SCATTERED_ROWS_FLASH = _AMX and _FLASH_CPU is not None
 
 
 def gemm_attention(
@@ -350,15 +358,11 @@ def scattered_flash_attention(
         hi = int(torch.searchsorted(k_pos, q_pos[-1:], right=True))
         if window is not None:
             lo = int(torch.searchsorted(k_pos, q_pos[:1] - window + 1))
-    keys = k_pos[lo:hi]
-    visible = keys.unsqueeze(0) <= q_pos.unsqueeze(1)
-    if window is not None:
-        visible &= (q_pos.unsqueeze(1) - keys.unsqueeze(0)) < window
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k[:, lo:hi].unsqueeze(0),
         v[:, lo:hi].unsqueeze(0),
-        attn_mask=visible,
+        attn_mask=visible_keys(q_pos, k_pos[lo:hi], window),
         scale=scaling,
         enable_gqa=nh != k.shape[0],
     )

@@ -294,6 +294,16 @@ def test_group_reading_every_key_batches_the_heads(monkeypatch, tail):
     torch.testing.assert_close(both.float(), per_head.float(), atol=2 * 2**-8, rtol=2**-7)
 
 
+def _scattered_case(seed: int, shuffle: bool):
+    """150 scattered queries over 700 keys (:func:`_case`), the keys shuffled out of position order if
+    ``shuffle``."""
+    q, k, v, q_pos, k_pos = _case(seed, 700, 150)
+    if shuffle:
+        order = torch.randperm(700, generator=torch.Generator().manual_seed(seed))
+        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    return q, k, v, q_pos, k_pos
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, shuffle):
     """With SCATTERED_ROWS_FLASH (AMX CPUs), scattered bf16 queries (a recompute's rows; in order or not)
@@ -306,11 +316,7 @@ def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, sh
     calls = []
     flash = kernels.scattered_flash_attention
     monkeypatch.setattr(kernels, "scattered_flash_attention", lambda *a: calls.append(1) or flash(*a))
-    gen = torch.Generator().manual_seed(17)
-    q, k, v, q_pos, k_pos = _case(17, 700, 150)
-    if shuffle:
-        order = torch.randperm(700, generator=gen)
-        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    q, k, v, q_pos, k_pos = _scattered_case(17, shuffle)
     low = [t.bfloat16() for t in (q, k, v)]
     got = attention(*low, q_pos, k_pos, 0.25)
     assert calls == [1]
@@ -325,11 +331,7 @@ def test_scattered_rows_go_through_the_flash_kernel_where_chosen(monkeypatch, sh
 def test_scattered_flash_attention_matches_the_reference(window, shuffle):
     """The flash path on its own: scattered queries, keys in position order or shuffled, with or without a
     window (its mask from positions), within bf16 rounding of the reference."""
-    gen = torch.Generator().manual_seed(19)
-    q, k, v, q_pos, k_pos = _case(19, 700, 150)
-    if shuffle:
-        order = torch.randperm(700, generator=gen)
-        k, v, k_pos = k[:, order], v[:, order], k_pos[order]
+    q, k, v, q_pos, k_pos = _scattered_case(19, shuffle)
     low = [t.bfloat16() for t in (q, k, v)]
     got = scattered_flash_attention(*low, q_pos, k_pos, 0.25, window)
     torch.testing.assert_close(got.float(), reference(q, k, v, q_pos, k_pos, 0.25, window), atol=3e-2, rtol=0)

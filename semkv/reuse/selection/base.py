@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from semkv.models.kernels import GemmPlans
+from semkv.models.kernels import GemmPlans, visible_keys
 from semkv.models.runtime import LayerInputs, attention
 
 
@@ -266,10 +266,7 @@ def scaled_attention(
     logits = torch.matmul(q.reshape(kvh, rep * tq, d), k.transpose(1, 2)) * scaling  # [kvh, rep*tq, Tk]
     logits = logits.reshape(kvh, rep, tq, -1)
     logits[..., context] = logits[..., context] / temperature + math.log(scale)
-    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    if window is not None:
-        visible &= (q_pos.unsqueeze(1) - k_pos.unsqueeze(0)) < window
-    logits = logits.masked_fill(~visible, float("-inf"))
+    logits = logits.masked_fill(~visible_keys(q_pos, k_pos, window), float("-inf"))
     weights = torch.softmax(logits, dim=-1).reshape(kvh, rep * tq, -1)
     out = torch.matmul(weights.to(v.dtype), v).reshape(nh, tq, d)
     return out.transpose(0, 1).reshape(tq, nh * d)
