@@ -243,7 +243,7 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor
 GEMM_QUERY_ROWS = 64  # queries per group of the matmul kernel (scattered rows; the best size without AMX)
 GEMM_WINDOW_SPAN = 1.0  # on window layers, a query group spans fewer positions than this x the window
 GEMM_KEY_BUCKET = 64  # a group's key range is widened (masked) to a multiple of this many keys
-GEMM_QUERY_BUCKET = 16  # a group's queries are computed as a multiple of this many (see _group_queries)
+GEMM_QUERY_BUCKET = 4  # a group's queries are computed as a multiple of at least this many (bucketed_rows)
 
 
 def _has_amx() -> bool:
@@ -255,11 +255,11 @@ def _has_amx() -> bool:
         return False
 
 
-# The most queries a group of position-dense rows (a prefill) may hold: 256 on CPUs with AMX tiles, whose
-# matmuls gain from taller products (docs/benchmarks.md, 'Taller query groups'), else GEMM_QUERY_ROWS
-# (measured no better there).
+# The most queries a group of position-dense rows (a prefill) may hold: taller products run faster on CPUs
+# with AMX tiles and on those with AVX512-BF16 alike, the only ones where the compute dtype is bf16 by
+# default (docs/benchmarks.md, 'Taller query groups').
+DENSE_QUERY_ROWS = 256
 _AMX = _has_amx()
-DENSE_QUERY_ROWS = 256 if _AMX else GEMM_QUERY_ROWS
 # Scattered rows (a blend's or share's recompute, not a prefill's suffix) on global layers go through
 # torch's CPU flash kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it
 # beat these matmuls (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the
@@ -314,7 +314,7 @@ def gemm_attention(
     rows = q.view(kvh, rep, tq, d).transpose(1, 2).contiguous()
     out = q.new_empty(kvh, tq, rep, d)
     for a, b, lo, hi, biases in plan.groups:
-        n, m = b - a, round_up(b - a, GEMM_QUERY_BUCKET)  # rows computed: the group's first
+        n, m = b - a, bucketed_rows(b - a)  # rows computed: the group's first
         group = _group_queries(rows, a, m)
         if lo == 0 and hi == k.shape[1] and k.is_contiguous() and v.is_contiguous():
             out[:, a:b] = _all_keys_group(group, k, v, n, biases)
@@ -406,15 +406,23 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def bucketed_rows(n: int) -> int:
+    """The rows a query group of ``n`` queries is computed as: ``n`` rounded up to a multiple of an eighth
+    of the next power of two (at least :data:`GEMM_QUERY_BUCKET`): 18 -> 20, 50 -> 56, 100 -> 112,
+    200 -> 224. oneDNN builds a kernel per matmul shape, and a group's query count changes from request
+    to request where rows are selected (blend, share) or a prompt ends, while bucketed counts repeat
+    (4 per power of two, 20 up to 256 rows); the padding is fewer than 4 rows or a quarter of them,
+    where a fixed multiple of 16 nearly doubled a prefix hit's short tail."""
+    step = max(GEMM_QUERY_BUCKET, (1 << (n - 1).bit_length()) // 8)
+    return round_up(n, step)
+
+
 def _group_queries(rows: Tensor, first: int, count: int) -> Tensor:
     """Queries ``first`` .. ``first + count`` of ``rows`` [kvh, Tq, rep, d] -> [kvh, count, rep, d], zeros
     past the last query (a copy only then).
 
-    A group of n queries is computed as its first m rows, m = n rounded up to a multiple of
-    :data:`GEMM_QUERY_BUCKET` (the rows after it, or zeros, computed and dropped): oneDNN builds a kernel
-    per matmul shape, and a group's query count changes from layer to layer and request to request where
-    rows are selected (blend, share) or a prompt ends, while rounded counts repeat. Each output row of a
-    matmul depends only on its own row.
+    A group of n queries is computed as its first m = :func:`bucketed_rows` (n) rows (the rows after it,
+    or zeros, computed and dropped). Each output row of a matmul depends only on its own row.
     """
     group = rows[:, first : first + count]
     extra = count - group.shape[1]

@@ -3,7 +3,7 @@
 oneDNN builds a kernel for every new matmul shape (1-5 ms each on AMX CPUs, several times the product
 itself), so a forward whose query groups and key ranges take a new size per prompt pays for dozens of
 kernels on a first request. :func:`gemm_attention` widens key ranges to multiples of ``GEMM_KEY_BUCKET``
-(masked), computes query groups as multiples of ``GEMM_QUERY_BUCKET`` rows (the extra rows dropped), and a
+(masked), computes a query group as :func:`bucketed_rows` rows (the extra rows dropped), and a
 forward hands it keys past the cache's valid rows (:meth:`Runtime.attended_rows`, positions past every
 query from :func:`padded_positions`).
 
@@ -14,8 +14,8 @@ share a key and a query bucket, recording every matmul's shape.
 
 Must happen: (1) the same output as attention over the valid rows alone, within the kernels' rounding
 (:func:`tests.tolerances.attention_atol`; a stale row let through moves it by the order of its values);
-(2) every attention matmul reads a multiple of ``GEMM_KEY_BUCKET`` keys with a multiple of
-``GEMM_QUERY_BUCKET`` queries per query head, and both prompts' forwards use the same set of shapes.
+(2) every attention matmul reads a multiple of ``GEMM_KEY_BUCKET`` keys with a bucketed count of queries
+per query head, and both prompts' forwards use the same set of shapes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from semkv.models import Runtime, adapter_for
-from semkv.models.kernels import GEMM_KEY_BUCKET, GEMM_QUERY_BUCKET, gemm_attention, softmax_rows
+from semkv.models.kernels import GEMM_KEY_BUCKET, bucketed_rows, gemm_attention, softmax_rows
 from semkv.models.runtime import padded_positions
 from tests.conftest import tiny_hf_model
 from tests.tolerances import attention_atol
@@ -106,9 +106,19 @@ def test_prefills_of_nearby_lengths_use_the_same_bucketed_shapes(tokenizer) -> N
     assert shapes[0], "no attention matmul was recorded"
     for a, b in shapes[0]:
         queries, keys = a[0], (b[1] if a[1] == head_dim else a[1])
-        assert queries % (GEMM_QUERY_BUCKET * rep) == 0, (a, b)
+        assert queries % rep == 0 and bucketed_rows(queries // rep) == queries // rep, (a, b)
         assert keys % GEMM_KEY_BUCKET == 0, (a, b)
     assert shapes[0] == shapes[1]
+
+
+def test_bucketed_rows_repeat_and_pad_under_a_quarter() -> None:
+    """A group's computed rows: at least its queries, padded by fewer than 4 rows or a quarter of them,
+    and few distinct counts (each is a oneDNN kernel to build) up to the tallest group."""
+    counts = {n: bucketed_rows(n) for n in range(1, 257)}
+    assert all(0 <= m - n < max(4, n / 4) for n, m in counts.items()), counts
+    assert [counts[n] for n in (3, 18, 50, 100, 200, 256)] == [4, 20, 56, 112, 224, 256]
+    assert len(set(counts.values())) == 20
+    assert all(bucketed_rows(m) == m for m in counts.values())
 
 
 @pytest.mark.parametrize("rows, width", [(54, 1984), (3, 64), (40, 257)])
