@@ -259,13 +259,12 @@ def _has_amx() -> bool:
 # with AMX tiles and on those with AVX512-BF16 alike, the only ones where the compute dtype is bf16 by
 # default (docs/benchmarks.md, 'Taller query groups').
 DENSE_QUERY_ROWS = 256
-_AMX = _has_amx()
 # Scattered rows (a blend's or share's recompute, not a prefill's suffix) on global layers go through
 # torch's CPU flash kernel with a mask on CPUs with AMX tiles, where its bf16 products run on them and it
 # beat these matmuls (docs/benchmarks.md, 'Scattered rows through the flash kernel'); elsewhere it was the
 # slower kernel. Window layers keep the matmuls, whose query groups read ~2 windows of keys each where
 # one masked call reads every key up to the last query (Gemma 3's blend was slower that way).
-SCATTERED_ROWS_FLASH = _AMX and _FLASH_CPU is not None
+SCATTERED_ROWS_FLASH = _has_amx() and _FLASH_CPU is not None
 
 
 def gemm_attention(
