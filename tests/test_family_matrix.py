@@ -132,7 +132,9 @@ def test_blend_at_full_ratio_is_full_prefill(family, dtype, device, make_tiny_en
 
 def test_share_recomputing_everything_is_full_prefill(family, dtype, device, make_tiny_engine):
     engine = make_tiny_engine(family, disk=False, compute_dtype=dtype, device=device)
-    config = ShareConfig(min_tokens=16, min_aligned_after_prefix=8, schedule="constant", constant_ratio=1.0)
+    config = ShareConfig(
+        min_tokens=16, min_aligned_after_prefix=8, schedule="constant", constant_ratio=1.0, layer0_window=0
+    )
     _run(engine, prompt=PROMPT, reuse="none", share=config)  # remembered for sharing
     full = _run(engine, prompt=EDITED, reuse="none", store_prompt=False)
     shared = _run(engine, prompt=EDITED, reuse="share", share=config, store_prompt=False)

@@ -193,8 +193,8 @@ def add_arguments(parser) -> None:
         "--schedules",
         default="",
         help="first-hit workload: sweep share's recompute schedule instead, comma-separated "
-        "first_ratio/decay/min_ratio (the first is the baseline), e.g. 0.2/0.8/0.02,0.1/0.6/0.01; use a dev "
-        "split (--split val)",
+        "first_ratio/decay/min_ratio[/layer0_window] (the first is the baseline), e.g. "
+        "0.1/0.6/0.01,0.1/0.6/0.01/64; use a dev split (--split val)",
     )
 
 

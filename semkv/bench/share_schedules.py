@@ -30,32 +30,47 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Schedule:
     """One exponential recompute schedule: ``first_ratio`` at layer 1, times ``decay`` a layer, floored at
-    ``min_ratio`` (the fields of :class:`ShareConfig` of the same names)."""
+    ``min_ratio``, and the rows layer 0 recomputes (``layer0_window``; 0: every row) (the fields of
+    :class:`ShareConfig` of the same names)."""
 
     first_ratio: float
     decay: float
     min_ratio: float
+    layer0_window: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """``"first/decay/min"``, e.g. ``"0.1/0.6/0.01"``; checked as a :class:`ShareConfig` would be."""
+        """``"first/decay/min"`` or ``"first/decay/min/window"``, e.g. ``"0.1/0.6/0.01"`` or
+        ``"0.1/0.6/0.01/64"``; checked as a :class:`ShareConfig` would be."""
         parts = text.strip().split("/")
-        if len(parts) != 3:
-            raise ValueError(f"a schedule is first_ratio/decay/min_ratio, e.g. 0.1/0.6/0.01; got {text!r}")
+        if len(parts) not in (3, 4):
+            raise ValueError(
+                "a schedule is first_ratio/decay/min_ratio[/layer0_window], e.g. 0.1/0.6/0.01 or "
+                f"0.1/0.6/0.01/64; got {text!r}"
+            )
         try:
-            first, decay, floor = (float(p) for p in parts)
+            first, decay, floor = (float(p) for p in parts[:3])
+            window = int(parts[3]) if len(parts) == 4 else 0
         except ValueError:
-            raise ValueError(f"a schedule's three parts must be numbers; got {text!r}") from None
-        schedule = cls(first, decay, floor)
+            raise ValueError(
+                f"a schedule's parts must be numbers (the window a whole one); got {text!r}"
+            ) from None
+        schedule = cls(first, decay, floor, window)
         schedule.config()  # validates
         return schedule
 
     @property
     def name(self) -> str:
-        return f"{self.first_ratio:g}/{self.decay:g}/{self.min_ratio:g}"
+        base = f"{self.first_ratio:g}/{self.decay:g}/{self.min_ratio:g}"
+        return f"{base}/{self.layer0_window}" if self.layer0_window else base
 
     def config(self) -> ShareConfig:
-        return ShareConfig(first_ratio=self.first_ratio, decay=self.decay, min_ratio=self.min_ratio)
+        return ShareConfig(
+            first_ratio=self.first_ratio,
+            decay=self.decay,
+            min_ratio=self.min_ratio,
+            layer0_window=self.layer0_window,
+        )
 
 
 def parse_schedules(text: str) -> list[Schedule]:

@@ -126,7 +126,7 @@ class ShareConfig:
     anchor: length of the n-gram anchors that start an aligned run.
     schedule: "exponential" (ratio first_ratio * decay^(layer-1), floored at min_ratio) or
         "constant" (constant_ratio at every layer). Ratios are fractions of the reused rows
-        recomputed from layer 1 on; layer 0 is always recomputed fully, and the forced rows (unmatched
+        recomputed from layer 1 on; layer 0 recomputes the rows ``layer0_window`` picks, and the forced rows (unmatched
         and scattered tokens, the last ``recompute_last``) at every layer besides the ratio. The
         defaults (0.1, 0.6, 0.01) were chosen on aclsum's val split (SmolLM2 bf16, 8 papers, 10% and
         30% of sentences edited) over the earlier (0.2, 0.8, 0.02): a fifth fewer recomputed rows at 10%
@@ -141,6 +141,15 @@ class ShareConfig:
     recompute_last: the prompt's last tokens (the generation prompt) are always recomputed: an aligned
         match there (the chat template's closing tokens) reuses KV computed after other text, and the
         next-token distribution depends on these tokens most.
+    layer0_window: which reused rows layer 0 recomputes. 0: every row (the paper: layer 1's deviation is
+        then measured for every row). n > 0: only the rows at most n - 1 tokens after a break in the
+        alignment (a forced row, or a row whose reference row does not follow the one before's), the
+        forced rows among them; every other row keeps its reused KV at every layer (a token far from any
+        change sees, through layer 0's attention, what it saw in the reference), and the deviation ranks
+        only the rows near a change. Layer 0's cost then scales with what changed, not with the prompt.
+        The default 32 was chosen on aclsum's val split (SmolLM2 and Gemma 3 bf16, 10% and 30% of
+        sentences edited) over 0, 8, 16 and 64: faster first hits at 10% edits with no first-token KL
+        difference from 0 the paired intervals can tell (docs/benchmarks.md, Share).
     candidates: index hits tried in order (a hit whose KV left the store is dropped from the index).
     simhash: token signature settings (stored with every prompt; a mismatch re-hashes the reference).
     min_new_fraction: an exactly prefilled prompt is remembered (its whole KV stored and indexed) only
@@ -165,6 +174,7 @@ class ShareConfig:
     unmatched: Literal["recompute", "drop"] = "recompute"
     scattered: Literal["reuse", "recompute"] = "recompute"
     recompute_last: int = 16
+    layer0_window: int = 32
     candidates: int = 3
     simhash: SimHashConfig = field(default_factory=SimHashConfig)
     min_new_fraction: float = 0.1
@@ -192,6 +202,7 @@ class ShareConfig:
         check_choice("deviation_on", self.deviation_on, DEVIATIONS)
         check_int("min_aligned_after_prefix", self.min_aligned_after_prefix, 0, MAX_TOKENS)
         check_int("recompute_last", self.recompute_last, 1, MAX_TOKENS)
+        check_int("layer0_window", self.layer0_window, 0, MAX_TOKENS)
         check_int("anchor", self.anchor, 1, MAX_ANCHOR)
         check_int("candidates", self.candidates, 1, MAX_CANDIDATES)
 
@@ -205,7 +216,8 @@ class ShareConfig:
         }
 
     def mean_recompute(self, num_layers: int) -> float:
-        """Expected share of reused-row layer passes recomputed (layer 0 counts fully)."""
+        """Expected share of reused-row layer passes recomputed (layer 0 counts fully: an upper bound where
+        ``layer0_window`` leaves rows out of it)."""
         return (1.0 + sum(self.ratios(num_layers).values())) / num_layers
 
 

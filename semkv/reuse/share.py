@@ -32,10 +32,12 @@ Prefill: the leading tokens identical to the reference's are exact and loaded as
 they are; the rest get the reference K/V gathered in the new order, layer by layer
 straight into the cache, and re-rotated to their new positions (:meth:`Runtime.load_pieces`
 with a :meth:`RowSource.gathered` piece), and one :meth:`Runtime.forward_rows` pass with
-the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses) recomputes layer 0
-fully, unmatched tokens and the last token always, and from layer 1 on the matched tokens
-whose fresh KV deviates most from the reused KV, a fraction that decays with depth
-(exponential by default, as in the paper; constant as an option). ``unmatched="drop"`` is
+the shared :class:`SelectiveRecompute` (the mechanism CacheBlend uses) recomputes, at layer 0,
+the rows near a change in the alignment (:func:`near_breaks`, ``ShareConfig.layer0_window``; every
+row with a window of 0, as in the paper), unmatched tokens and the last token always, and from
+layer 1 on the matched tokens among them whose fresh KV deviates most from the reused KV, a
+fraction that decays with depth (exponential by default, as in the paper; constant as an option).
+Rows far from any change keep the reference's KV at every layer. ``unmatched="drop"`` is
 the paper's "elimination" baseline: unmatched tokens are left out of the cache instead of
 being recomputed.
 """
@@ -350,6 +352,23 @@ def match_tokens(
     return TokenMatch(source, kind, exact_prefix_length(new_ids, ref_ids))
 
 
+def near_breaks(source: Tensor, forced: Tensor, window: int, previous: int = -1) -> Tensor | None:
+    """The rows [R] (offsets, ascending) at most ``window - 1`` rows after a break in the alignment: a
+    ``forced`` row (bool [n]) or a row whose reference row ``source`` [n] (-1: none) does not follow the
+    previous row's; ``previous`` is the reference row of the row before the first (the exact prefix's
+    last, -1: none). None for ``window`` 0 (every row)."""
+    if window <= 0:
+        return None
+    n = source.numel()
+    offsets = torch.arange(n)
+    follows = torch.zeros(n, dtype=torch.bool)
+    follows[0] = previous >= 0 and int(source[0]) == previous + 1
+    follows[1:] = (source[1:] == source[:-1] + 1) & (source[:-1] >= 0)
+    breaks = forced.cpu() | ~follows
+    last_break = torch.where(breaks, offsets, torch.full_like(offsets, -n - window)).cummax(0).values
+    return (offsets - last_break < window).nonzero().squeeze(1)
+
+
 # -- the path ------------------------------------------------------------------------------------------
 @dataclass
 class SharePlan(Plan):
@@ -590,8 +609,12 @@ class SharePath:
         selector = deviation_recompute(
             forced.to(device), config.ratios(ctx.runtime.num_layers), config.deviation_on
         )
-        logits = ctx.runtime.forward_rows(cache, start, selector)
-        return self._outcome(logits, plan, selector, prefix, rows.numel(), ctx.runtime.num_layers)
+        layer0 = near_breaks(source, forced, config.layer0_window, prefix - 1)
+        logits = ctx.runtime.forward_rows(
+            cache, start, selector, rows=None if layer0 is None else layer0.to(device)
+        )
+        entered = rows.numel() if layer0 is None else layer0.numel()
+        return self._outcome(logits, plan, selector, prefix, entered, rows.numel(), ctx.runtime.num_layers)
 
     def _outcome(
         self,
@@ -599,12 +622,13 @@ class SharePath:
         plan: SharePlan,
         selector: SelectiveRecompute,
         prefix: int,
+        entered: int,
         computed: int,
         num_layers: int,
     ) -> PrefillOutcome:
-        """computed: rows that entered forward_rows (all of them pass layer 0)."""
+        """entered: rows layer 0 recomputed; computed: rows loaded after the exact prefix (not dropped)."""
         n = plan.match.num_tokens
-        kept = [computed]
+        kept = [entered]
         for layer in range(1, num_layers):
             chosen = selector.chosen.get(layer)
             kept.append(int(chosen.numel()) if chosen is not None else kept[-1])
@@ -621,6 +645,7 @@ class SharePath:
             "share_matches": match.counts(),
             "share_exact_prefix": prefix,
             "share_forced": int(selector.forced.sum()),
+            "share_layer0_rows": entered,
             "share_dropped": n - prefix - computed,
             "share_layer_rows": kept,
             "share_recompute_fraction": sum(kept) / (num_layers * n),

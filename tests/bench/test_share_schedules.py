@@ -18,9 +18,15 @@ def test_schedules_parse_and_bad_ones_say_what_is_wrong() -> None:
     schedules = parse_schedules("0.2/0.8/0.02, 0.1/0.6/0.01")
     assert [s.name for s in schedules] == ["0.2/0.8/0.02", "0.1/0.6/0.01"]
     assert schedules[1].config().ratios(3) == {1: 0.1, 2: pytest.approx(0.06)}
+    windowed = parse_schedules("0.1/0.6/0.01/64")[0]
+    assert windowed.name == "0.1/0.6/0.01/64" and windowed.config().layer0_window == 64
+    assert schedules[1].config().layer0_window == 0
     for bad, message in (
         ("0.1/0.6", "first_ratio/decay/min_ratio"),
+        ("0.1/0.6/0.01/8/2", r"first_ratio/decay/min_ratio\[/layer0_window\]"),
         ("0.1/x/0.01", "must be numbers"),
+        ("0.1/0.6/0.01/6.5", "must be numbers"),
+        ("0.1/0.6/0.01/-4", r"layer0_window must be in \[0, "),
         ("1.5/0.6/0.01", r"first_ratio must be a number in \[0, 1\]"),
         ("0.1/0.6/0.01,0.1/0.6/0.01", "twice"),
         (" , ", "at least one"),
