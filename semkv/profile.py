@@ -155,9 +155,11 @@ class Profile:
 
 
 def share_config_at(ratio: float) -> ShareConfig:
-    """The share path's default config with its exponential schedule starting at ``ratio``."""
+    """The share path's default config with its exponential schedule starting at ``ratio``; at ratio 1 every
+    row through every layer, layer 0 included (``layer0_window`` 0: the exact end of the sweep)."""
     base = ShareConfig()
-    return ShareConfig(first_ratio=ratio, min_ratio=min(base.min_ratio, ratio))
+    window = 0 if ratio >= 1.0 else base.layer0_window
+    return ShareConfig(first_ratio=ratio, min_ratio=min(base.min_ratio, ratio), layer0_window=window)
 
 
 @dataclass(frozen=True)

@@ -360,11 +360,11 @@ def near_breaks(source: Tensor, forced: Tensor, window: int, previous: int = -1)
     if window <= 0:
         return None
     n = source.numel()
-    offsets = torch.arange(n)
-    follows = torch.zeros(n, dtype=torch.bool)
+    offsets = torch.arange(n, device=source.device)
+    follows = torch.zeros(n, dtype=torch.bool, device=source.device)
     follows[0] = previous >= 0 and int(source[0]) == previous + 1
     follows[1:] = (source[1:] == source[:-1] + 1) & (source[:-1] >= 0)
-    breaks = forced.cpu() | ~follows
+    breaks = forced.to(source.device) | ~follows
     last_break = torch.where(breaks, offsets, torch.full_like(offsets, -n - window)).cummax(0).values
     return (offsets - last_break < window).nonzero().squeeze(1)
 
