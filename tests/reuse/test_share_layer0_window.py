@@ -2,7 +2,7 @@
 
 Injected: hand-made alignments (a substitution, a moved run, an exact prefix before the first row) for
 :func:`near_breaks`; end to end on a 4-layer tiny llama (KV float32), a target whose document has one
-sentence replaced in its middle, served with ``layer0_window`` 8 and with the default 0.
+sentence replaced in its middle, served with ``layer0_window`` 8, with 0 and with the default (32).
 Must happen: exactly the rows within the window after each break (a forced row, or a row whose reference
 row does not follow the previous one's) are computed at layer 0; every other row holds the reference's KV
 of its matched token at every layer (nothing of it recomputed), and the stats report the smaller layer-0
@@ -18,7 +18,7 @@ import torch
 from semkv.evaluation.essays import haystack
 from semkv.request import GenerateRequest
 from semkv.reuse.options import ShareConfig
-from semkv.reuse.share import near_breaks
+from semkv.reuse.share import ALIGNED, near_breaks
 from tests.conftest import tiny_hf_model
 
 
@@ -72,7 +72,7 @@ def test_rows_far_from_a_change_keep_the_reference_kv_at_every_layer(engine4, to
     n = len(seq.layout.token_ids)
     prefix = min(match.exact_prefix, n - 1)
     source = torch.from_numpy(match.source[prefix:])
-    forced = (source < 0) | torch.from_numpy(match.kind[prefix:] != 1)
+    forced = (source < 0) | torch.from_numpy(match.kind[prefix:] != ALIGNED)
     forced[-config.recompute_last :] = True
     near = near_breaks(source, forced, window, prefix - 1)
     assert near is not None
