@@ -199,15 +199,19 @@ def _running(engine, prompts: list[str], reuse: str, steps: int) -> list:
     ]
 
 
-def _step_seconds(engine, seqs: list, steps: int) -> float:
-    """Median seconds of a batched decode step of ``seqs`` over ``steps`` steps, the first two (arena
-    binding, a lone reader copying its prefix in) excluded."""
-    times = []
-    for _ in range(steps + 2):
-        start = time.perf_counter()
-        engine.decode_batch(seqs)
-        times.append(time.perf_counter() - start)
-    return median(times[2:])
+def _paired_step_seconds(engine, single: list, batch: list, steps: int) -> tuple[float, float, float]:
+    """Median seconds of a decode step of ``single`` and of a batched step of ``batch``, and the median of
+    their ratio step by step (batch / single), the two taken in turns (the order flipped every step) so
+    that both come from the same moments of a noisy machine; the first two steps of each (arena binding,
+    a lone reader copying its prefix in) excluded."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for step in range(steps + 2):
+        for which in (0, 1) if step % 2 else (1, 0):
+            start = time.perf_counter()
+            engine.decode_batch((single, batch)[which])
+            times[which].append(time.perf_counter() - start)
+    alone, together = times[0][2:], times[1][2:]
+    return median(alone), median(together), median([b / a for a, b in zip(alone, together, strict=True)])
 
 
 def _live_kv(engine) -> int:
@@ -225,23 +229,22 @@ def shared_prompt_rows(engine, tokenizer, clients: int, lengths: list[int], step
         prompts = [f"{document}\n\n{QUESTIONS[i % len(QUESTIONS)]} ({i})" for i in range(clients)]
         engine.generate(prompt=document + "\n\n" + QUESTIONS[0], max_new_tokens=1)  # pools the document
         base = _live_kv(engine)
-        one = _running(engine, prompts[:1], "none", steps)
+        # room for two phases of steps: one decodes beside the shared readers, then beside the copies
+        one = _running(engine, prompts[:1], "none", 2 * steps + 4)
         one_kv = _live_kv(engine) - base
-        one_step = _step_seconds(engine, one, steps)
-        del one
         shared = _running(engine, prompts, "prefix", steps)
         readers = len({id(s.cache.prefix) for s in shared if s.cache.prefix is not None})
-        shared_kv = _live_kv(engine) - base
-        shared_step = _step_seconds(engine, shared, steps)
-        # after the steps as well: a prefix read by a batched step widens its values to float32 then
-        shared_kv = max(shared_kv, _live_kv(engine) - base)
+        shared_kv = _live_kv(engine) - base - one_kv
+        one_step, shared_step, shared_ratio = _paired_step_seconds(engine, one, shared, steps)
+        # after the steps as well: a prefix read by a batched step may widen its values then
+        shared_kv = max(shared_kv, _live_kv(engine) - base - one_kv)
         still_shared = sum(s.cache.prefix is not None for s in shared)
         del shared
         engine.reclaim_kv()
         copies = _running(engine, prompts, "none", steps)
-        copies_kv = _live_kv(engine) - base
-        copies_step = _step_seconds(engine, copies, steps)
-        del copies
+        copies_kv = _live_kv(engine) - base - one_kv
+        _, copies_step, copies_ratio = _paired_step_seconds(engine, one, copies, steps)
+        del copies, one
         engine.reclaim_kv()
         rows.append(
             {
@@ -257,8 +260,8 @@ def shared_prompt_rows(engine, tokenizer, clients: int, lengths: list[int], step
                 "step_one_ms": 1000 * one_step,
                 "step_shared_ms": 1000 * shared_step,
                 "step_copies_ms": 1000 * copies_step,
-                "step_shared_over_one": shared_step / one_step,
-                "step_copies_over_one": copies_step / one_step,
+                "step_shared_over_one": shared_ratio,  # median of the step-by-step ratios
+                "step_copies_over_one": copies_ratio,
             }
         )
     return rows
@@ -272,7 +275,7 @@ def print_sharing_rows(rows: list[dict]) -> None:
             f"{row['live_kv_shared_mib']:.1f} MiB shared = {row['shared_over_one']:.2f}x one "
             f"({row['live_kv_one_mib']:.1f} MiB) vs copies {row['live_kv_copies_mib']:.1f} MiB = "
             f"{row['copies_over_one']:.2f}x; decode step {row['step_shared_ms']:.1f} ms shared "
-            f"({row['step_shared_over_one']:.2f}x one's {row['step_one_ms']:.1f} ms) vs "
+            f"({row['step_shared_over_one']:.2f}x one's {row['step_one_ms']:.1f} ms, step by step) vs "
             f"{row['step_copies_ms']:.1f} ms copies ({row['step_copies_over_one']:.2f}x)"
         )
 

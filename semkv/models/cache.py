@@ -88,9 +88,11 @@ class SharedPrefix:
     (views of page pool buffers or copies; only the row dimension need be contiguous); pre-RoPE keys are
     read on demand (``k_pre_rows(layer, start, end)`` -> [kvh, end - start, d] in ``kv_dtype``: from the
     page pool's pages, which ``keep`` holds while the prefix lives, so they are not kept twice). A batched
-    decode step of several readers sums the prefix's share of a query's output in float32 and rounds once,
-    as a one-piece product over the joined rows does: :meth:`float_values` widens the values to float32
-    for it the first time (once, every layer; the prefix then holds the float32 values instead).
+    decode step of several readers joins the prefix's rows and theirs into one matrix per layer, in the
+    compute dtype; where it takes the two-piece kernel instead (many readers with long own rows), that
+    sums the prefix's share of a query's output in float32 and rounds once, as a one-piece product over
+    the joined rows does: :meth:`float_values` widens the values to float32 for it the first time (once,
+    every layer; the prefix then holds the float32 values instead).
     """
 
     def __init__(

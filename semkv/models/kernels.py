@@ -695,6 +695,31 @@ def batched_decode_with_prefixes(
     return out.view(n, nh * d).to(q.dtype)
 
 
+def joined_decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """One (already scaled) query per sequence over one joined matrix of every sequence's key rows: the
+    rows of shared prefixes once, then each sequence's own rows, a query seeing only its own (``bias``).
+
+    q: [n, nh, d]; keys, values: [kvh, C, d] contiguous, in q's dtype; bias: [n, C] additive (0 / -inf),
+    every row with at least one 0. Returns [n, nh * d].
+
+    Two batched matmuls over the KV heads for the whole batch, the queries of all sequences stacked: the
+    prefix rows are read once per step, and each query's output (probabilities @ values over its prefix
+    rows and its own rows) is summed in float32 inside one product and rounded once, as a one-piece
+    product over the query's rows is. The masked columns (other sequences' own rows) are the price: worth
+    paying while they are few next to the prefix (the caller decides; docs/benchmarks.md, "Running
+    sequences that share one pooled prompt").
+    """
+    n, nh, d = q.shape
+    kvh, columns = keys.shape[0], keys.shape[1]
+    rep = nh // kvh
+    queries = q.view(n, kvh, rep, d).transpose(0, 1).reshape(kvh, n * rep, d)
+    scores = torch.bmm(queries, keys.transpose(1, 2))  # [kvh, n * rep, C]
+    scores.view(kvh, n, rep, columns).add_(bias.view(1, n, 1, columns))
+    torch.softmax(scores, dim=-1, out=scores)
+    out = torch.bmm(scores, values)  # [kvh, n * rep, d]
+    return out.view(kvh, n, rep, d).transpose(0, 1).reshape(n, nh * d)
+
+
 @dataclass(frozen=True)
 class PrefixPiece:
     """One shared prefix in :func:`batched_decode_with_prefixes`: keys [kvh, P, d] (q's dtype) and values

@@ -42,6 +42,7 @@ from semkv.models.kernels import (
     batched_decode_attention,
     batched_decode_with_prefixes,
     decode_products,
+    joined_decode_attention,
     round_up,
     uses_gemm_kernels,
 )
@@ -235,6 +236,89 @@ class PrefixGroup:
         return PrefixPiece(self.prefix.k_rot[layer], self.prefix.float_values(layer), self.members, self.bias)
 
 
+# A batched decode step over shared prefixes joins every key row it reads into one matrix per layer
+# (:class:`JoinedRows`) while that matrix has at most this many times the columns one query reads (its
+# prefix and its own rows); past it the masked columns (other sequences' own rows) cost more than the
+# two-piece kernel saves (micro-benchmark in docs/benchmarks.md, "Running sequences that share one pooled
+# prompt").
+JOINED_COLUMNS_FACTOR = 2.0
+# The joined matrix holds each slot's own rows up to the longest member's, rounded up to a multiple of this
+# many rows: the products' shapes then repeat for that many steps (oneDNN builds a kernel per new shape).
+JOINED_WIDTH_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class JoinedRows:
+    """A batched decode step's key rows joined into one matrix per layer for
+    :func:`~semkv.models.kernels.joined_decode_attention`: the rows of each shared prefix once (in
+    ``prefixes`` order), then ``width`` rows of every attended arena slot, slot after slot. bias:
+    [slots, columns] additive (0 / -inf): slot i's query sees the first ``base`` rows of its prefix and its
+    own valid rows (a slot that is not a member sees every column: its output is discarded)."""
+
+    prefixes: tuple[SharedPrefix, ...]
+    width: int
+    bias: Tensor
+
+    @classmethod
+    def of(
+        cls,
+        groups: list[tuple[SharedPrefix, list[int], list[int]]],
+        lengths: list[int],
+        slots: list[int],
+        width: int,
+        dtype: torch.dtype,
+    ) -> JoinedRows:
+        """groups: (prefix, member slots relative to the first attended slot, rows of it each reads);
+        lengths[j]: own rows of the member in relative slot ``slots[j]``; ``max(slots) + 1`` slots."""
+        device = groups[0][0].k_rot[0].device
+        count = max(slots) + 1
+        offsets, at = [], 0
+        for prefix, _, _ in groups:
+            offsets.append(at)
+            at += prefix.rows
+        columns = at + count * width
+        first = torch.zeros(count, dtype=torch.long, device=device)  # per slot: prefix columns [first, end)
+        end = torch.zeros(count, dtype=torch.long, device=device)
+        for offset, (_, members, bases) in zip(offsets, groups, strict=True):
+            first[members] = offset
+            end[members] = offset + torch.tensor(bases, device=device)
+        own = at + torch.arange(count, device=device) * width  # per slot: own columns [own, own + length)
+        seen = torch.full((count,), columns, dtype=torch.long, device=device)
+        seen[slots] = torch.tensor(lengths, device=device)
+        column = torch.arange(columns, device=device)
+        visible = (column >= first[:, None]) & (column < end[:, None])
+        visible |= (column >= own[:, None]) & (column < (own + seen)[:, None])
+        members_at = set(slots)
+        visible[[i for i in range(count) if i not in members_at]] = True  # not a member: output discarded
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        return cls(tuple(prefix for prefix, _, _ in groups), width, bias)
+
+    @property
+    def columns(self) -> int:
+        return self.bias.shape[1]
+
+    def join(self, parts: list[Tensor], own: Tensor) -> Tensor:
+        """One layer's joined rows [kvh, columns, d] in ``own``'s dtype: ``parts`` (each prefix's rows
+        [kvh, P, d], in ``prefixes`` order), then ``own`` [slots, kvh, width, d] slot after slot."""
+        slots, kvh, width, d = own.shape
+        joined = own.new_empty((kvh, self.columns, d))
+        at = 0
+        for part in parts:
+            joined[:, at : at + part.shape[1]].copy_(part)
+            at += part.shape[1]
+        joined[:, at:].view(kvh, slots, width, d).copy_(own.transpose(0, 1))
+        return joined
+
+    def attend(self, queries: Tensor, layer: int, keys: Tensor, values: Tensor) -> Tensor:
+        """Attention [slots, nh * d] of one scaled query per attended slot (queries [slots, nh, d]) over
+        ``layer``'s prefixes and the slots' first ``width`` own rows (keys, values [slots, kvh, >= width,
+        d]: arena slots, finite past each length)."""
+        own = slice(0, self.width)
+        joined_keys = self.join([prefix.k_rot[layer] for prefix in self.prefixes], keys[:, :, own])
+        joined_values = self.join([prefix.v[layer] for prefix in self.prefixes], values[:, :, own])
+        return joined_decode_attention(queries, joined_keys, joined_values, self.bias)
+
+
 @dataclass(frozen=True)
 class SharedStep:
     """The sequences of one decode step that attend together over their :class:`DecodeArena` slots.
@@ -246,7 +330,9 @@ class SharedStep:
     key position to its query (a window layer covers every key when span < window); slot_order: member
     j is in slot lo + j (no reordering needed); everyone: the members are the whole batch. A member
     reading a shared prefix holds its own rows in its slot (``rows`` and the mask count own rows);
-    prefixes: a :class:`PrefixGroup` for each prefix members read (members as slots relative to ``lo``).
+    prefixes: a :class:`PrefixGroup` for each prefix members read (members as slots relative to ``lo``);
+    joined: the step's key rows joined into one matrix per layer, where that is the cheaper form (see
+    :data:`JOINED_COLUMNS_FACTOR`), else None (the two-piece kernel over ``prefixes``).
     """
 
     members: Tensor
@@ -262,6 +348,7 @@ class SharedStep:
     slot_order: bool
     everyone: bool
     prefixes: tuple[PrefixGroup, ...] = ()
+    joined: JoinedRows | None = None
 
     def covers(self, window: int | None) -> bool:
         """Every member's query sees all its keys on a layer with this window."""
@@ -1060,6 +1147,17 @@ class DecodePass:
                 group[1].append(slot - lo)
                 group[2].append(caches[i].base)
         dtype = self.runtime.compute_dtype
+        joined = None
+        if groups:
+            capacity = self.runtime.arena.capacity
+            own_width = (
+                min(capacity, round_up(longest, JOINED_WIDTH_BUCKET)) if JOINED_WIDTH_BUCKET else width
+            )
+            joined_columns = sum(group[0].rows for group in groups.values()) + (hi - lo) * own_width
+            one_query = max(group[0].rows for group in groups.values()) + own_width
+            if joined_columns <= JOINED_COLUMNS_FACTOR * one_query:
+                relative = [slot - lo for slot in slots]
+                joined = JoinedRows.of(list(groups.values()), lengths, relative, own_width, dtype)
         return SharedStep(
             members=torch.tensor(members, device=self.runtime.device),
             member_list=members,
@@ -1074,6 +1172,7 @@ class DecodePass:
             slot_order=slots == list(range(lo, hi)),
             everyone=members == list(range(len(caches))),
             prefixes=tuple(PrefixGroup.of(*group, hi - lo, dtype) for group in groups.values()),
+            joined=joined,
         )
 
     def _shared_attention(
@@ -1105,9 +1204,11 @@ class DecodePass:
             padded = queries.new_zeros(shared.hi - shared.lo, nh, d)
             padded[shared.pick] = queries
             queries = padded
-        width = slice(0, shared.width)
+        width = slice(0, shared.width if shared.joined is None else shared.joined.width)
         keys, values = arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width]
-        if shared.prefixes:
+        if shared.joined is not None:
+            got = shared.joined.attend(queries, layer, keys, values)
+        elif shared.prefixes:
             pieces = [group.piece(layer) for group in shared.prefixes]
             got = batched_decode_with_prefixes(queries, keys, values, shared.bias, pieces)
         else:
