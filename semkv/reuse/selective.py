@@ -60,6 +60,7 @@ class SelectiveRecompute:
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
         self.num_reusable = int(self.rows.reusable.sum())
+        self.candidates_left: int | None = None  # reusable rows still active after the last scheduled layer
 
     @property
     def forced(self) -> Tensor:
@@ -81,8 +82,17 @@ class SelectiveRecompute:
 
     def compares_at(self, layer: int) -> bool:
         """Whether :meth:`select` reads the reused KV at ``layer``: only at scheduled layers (elsewhere
-        every active row goes on), so the runtime gathers it for no other layer."""
-        return layer in self.schedule
+        every active row goes on) whose budget is smaller than the reusable rows still active (a budget
+        covering them all keeps them without ranking: a decaying schedule at its floor), so the runtime
+        gathers it for no other layer."""
+        if layer not in self.schedule:
+            return False
+        left = self.candidates_left
+        first = layer == min(self.schedule)  # a new forward: ``candidates_left`` is not its own yet
+        return first or left is None or self._budget(layer) < left
+
+    def _budget(self, layer: int) -> int:
+        return math.ceil(self.schedule[layer] * self.num_reusable)
 
     def preselect(self) -> Tensor | None:
         """The rows [K] (offsets, ascending) kept through every layer, when the choice needs nothing a
@@ -108,7 +118,7 @@ class SelectiveRecompute:
         """Indices into ``active`` of the forced rows and the best of the candidates at ``layer``."""
         forced = self.rows.forced[active]
         candidates = self.rows.reusable[active].nonzero().squeeze(1)
-        budget = min(math.ceil(self.schedule[layer] * self.num_reusable), candidates.numel())
+        budget = min(self._budget(layer), candidates.numel())
         if budget >= candidates.numel():
             top = candidates  # a budget covering every candidate needs no ranking (ratio 1)
         elif budget == 0:
@@ -133,6 +143,7 @@ class SelectiveRecompute:
             top = candidates[order[torch.isfinite(values)]]
         keep = torch.cat([forced.nonzero().squeeze(1), top]).sort().values
         self.chosen[layer] = active[keep]
+        self.candidates_left = int(top.numel())
         return keep
 
     def recomputed_rows(self) -> Tensor:

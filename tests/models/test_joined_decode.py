@@ -102,11 +102,15 @@ def test_each_member_attends_over_exactly_its_rows(dtype):
 STEPS = 6
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("joined_factor", [0.0, 100.0])
-def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(tokenizer, monkeypatch, joined_factor):
+def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(
+    tokenizer, monkeypatch, joined_factor, family
+):
     """Four caches read a 30-token prefix (one only its first 20 rows) and decode together; the joined
-    form is forbidden (factor 0) or always allowed (100), and counted."""
-    model = tiny_hf_model("llama", len(tokenizer), initializer_range=0.1)
+    form is forbidden (factor 0) or always allowed (100), and counted. Gemma 3's sliding-window layers
+    attend per sequence where the window does not cover a sequence's keys (its global layers join)."""
+    model = tiny_hf_model(family, len(tokenizer), initializer_range=0.1)
     runtime = Runtime(adapter_for(model.config.model_type)(model), torch.bfloat16, torch.bfloat16)
     monkeypatch.setattr(runtime_module, "JOINED_COLUMNS_FACTOR", joined_factor)
     calls = []
