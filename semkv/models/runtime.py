@@ -943,8 +943,7 @@ class DecodePass:
         self.runtime, self.caches, self.token_ids, self.gatherers = runtime, caches, token_ids, gatherers
         self.layers = runtime.num_layers
         for cache, gatherer in zip(caches, gatherers, strict=True):
-            # a prefix no other sequence reads is copied in: one piece of attention is faster than two
-            if cache.prefix is not None and (gatherer is not None or not cache.prefix.held_by_others(cache)):
+            if cache.prefix is not None and _copies_prefix_in(cache, gatherer):
                 cache.unshare()
         self.slots = [cache.append_next(token) for cache, token in zip(caches, token_ids, strict=True)]
         self.q_pos = torch.cat(
@@ -1214,6 +1213,23 @@ class DecodePass:
         else:
             got = batched_decode_attention(queries, keys, values, shared.bias)
         return got if shared.slot_order else got[shared.pick]
+
+
+# A reader copies in a shared prefix whose rows it reads are at most this share of its own rows (a chat
+# template's system prompt before a long prompt of its own): sharing it saves little memory, and attending
+# over it as a second piece costs more than one piece over the copy (docs/benchmarks.md, "A short shared
+# prefix is copied in").
+SHORT_PREFIX_SHARE = 0.25
+
+
+def _copies_prefix_in(cache: KVCache, gatherer: KeyGatherer | None) -> bool:
+    """Whether a cache reading a shared prefix copies it in before a decode step: a sparse decoder reads
+    whole buffers; a prefix no other sequence reads is faster as one piece; so is a short one."""
+    prefix = cache.prefix
+    assert prefix is not None
+    if gatherer is not None or not prefix.held_by_others(cache):
+        return True
+    return cache.base <= SHORT_PREFIX_SHARE * cache.own_length
 
 
 PAST_EVERY_POSITION = 1 << 40  # the position given to rows read past a cache's length (later than any query)

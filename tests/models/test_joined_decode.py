@@ -15,12 +15,14 @@ own copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import semkv.models.runtime as runtime_module
 from semkv.models import Runtime, adapter_for
-from semkv.models.cache import SharedPrefix
+from semkv.models.cache import KVCache, SharedPrefix
 from semkv.models.kernels import decode_products
 from semkv.models.runtime import JoinedRows
 from tests.conftest import tiny_hf_model
@@ -102,6 +104,30 @@ def test_each_member_attends_over_exactly_its_rows(dtype):
 STEPS = 6
 
 
+def decode_beside_copies(
+    runtime: Runtime,
+    readers: list[KVCache],
+    copies: list[KVCache],
+    tokens: list[int],
+    steps: int,
+    after_step: Callable[[], None] | None = None,
+) -> None:
+    """``steps`` batched bf16 decode steps of ``readers``, each against one decode step of every cache in
+    ``copies`` (the same prompts, rows held whole): the same greedy tokens, logits within what different
+    summation orders may leave; ``after_step`` checks more after each step."""
+    config = runtime.adapter.hf_model.config
+    for _ in range(steps):
+        got = runtime.decode_batch(readers, tokens)
+        want = torch.stack([runtime.decode(c, t) for c, t in zip(copies, tokens, strict=True)])
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        atol = config_atol(want.float(), config, torch.bfloat16, max(c.length for c in copies))
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+        tokens = want.argmax(-1).tolist()
+        if after_step is not None:
+            after_step()
+    assert [r.token_ids for r in readers] == [c.token_ids for c in copies]
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("joined_factor", [0.0, 100.0])
 def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(
@@ -134,13 +160,7 @@ def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(
         tokens.append(int(runtime.prefill(copy, head[:reads] + tail).argmax()))
         shared.append(reader)
         copies.append(copy)
-    for _ in range(STEPS):
-        got = runtime.decode_batch(shared, tokens)
-        want = torch.stack([runtime.decode(c, t) for c, t in zip(copies, tokens, strict=True)])
-        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-        atol = config_atol(want.float(), model.config, torch.bfloat16, max(c.length for c in copies))
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
-        tokens = want.argmax(-1).tolist()
+    decode_beside_copies(runtime, shared, copies, tokens, STEPS)
     assert all(c.prefix is prefix for c in shared)
     assert (len(calls) > 0) == (joined_factor > 0)
     if joined_factor > 0:  # the joined form never widens the prefix's values
