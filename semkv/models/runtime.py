@@ -330,9 +330,9 @@ class SharedStep:
     key position to its query (a window layer covers every key when span < window); slot_order: member
     j is in slot lo + j (no reordering needed); everyone: the members are the whole batch. A member
     reading a shared prefix holds its own rows in its slot (``rows`` and the mask count own rows);
-    prefixes: a :class:`PrefixGroup` for each prefix members read (members as slots relative to ``lo``);
-    joined: the step's key rows joined into one matrix per layer, where that is the cheaper form (see
-    :data:`JOINED_COLUMNS_FACTOR`), else None (the two-piece kernel over ``prefixes``).
+    prefixes: for the two-piece kernel, a :class:`PrefixGroup` for each prefix members read (members as
+    slots relative to ``lo``; empty when ``joined`` is set); joined: the step's key rows joined into one
+    matrix per layer, where that is the cheaper form (see :data:`JOINED_COLUMNS_FACTOR`), else None.
     """
 
     members: Tensor
@@ -1148,10 +1148,7 @@ class DecodePass:
         dtype = self.runtime.compute_dtype
         joined = None
         if groups:
-            capacity = self.runtime.arena.capacity
-            own_width = (
-                min(capacity, round_up(longest, JOINED_WIDTH_BUCKET)) if JOINED_WIDTH_BUCKET else width
-            )
+            own_width = min(self.runtime.arena.capacity, round_up(longest, JOINED_WIDTH_BUCKET))
             joined_columns = sum(group[0].rows for group in groups.values()) + (hi - lo) * own_width
             one_query = max(group[0].rows for group in groups.values()) + own_width
             if joined_columns <= JOINED_COLUMNS_FACTOR * one_query:
@@ -1170,7 +1167,9 @@ class DecodePass:
             span=span,
             slot_order=slots == list(range(lo, hi)),
             everyone=members == list(range(len(caches))),
-            prefixes=tuple(PrefixGroup.of(*group, hi - lo, dtype) for group in groups.values()),
+            prefixes=()  # the joined form reads the prefixes itself
+            if joined is not None
+            else tuple(PrefixGroup.of(*group, hi - lo, dtype) for group in groups.values()),
             joined=joined,
         )
 
