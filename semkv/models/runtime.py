@@ -943,7 +943,7 @@ class DecodePass:
         self.runtime, self.caches, self.token_ids, self.gatherers = runtime, caches, token_ids, gatherers
         self.layers = runtime.num_layers
         for cache, gatherer in zip(caches, gatherers, strict=True):
-            if cache.prefix is not None and _copies_prefix_in(cache, gatherer):
+            if _copies_prefix_in(cache, gatherer):
                 cache.unshare()
         self.slots = [cache.append_next(token) for cache, token in zip(caches, token_ids, strict=True)]
         self.q_pos = torch.cat(
@@ -1202,11 +1202,12 @@ class DecodePass:
             padded = queries.new_zeros(shared.hi - shared.lo, nh, d)
             padded[shared.pick] = queries
             queries = padded
-        width = slice(0, shared.width if shared.joined is None else shared.joined.width)
-        keys, values = arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width]
         if shared.joined is not None:
-            got = shared.joined.attend(queries, layer, keys, values)
-        elif shared.prefixes:
+            got = shared.joined.attend(queries, layer, arena.k_rot[layer][span], arena.v[layer][span])
+            return got if shared.slot_order else got[shared.pick]
+        width = slice(0, shared.width)
+        keys, values = arena.k_rot[layer][span, :, width], arena.v[layer][span, :, width]
+        if shared.prefixes:
             pieces = [group.piece(layer) for group in shared.prefixes]
             got = batched_decode_with_prefixes(queries, keys, values, shared.bias, pieces)
         else:
@@ -1222,10 +1223,12 @@ SHORT_PREFIX_SHARE = 0.25
 
 
 def _copies_prefix_in(cache: KVCache, gatherer: KeyGatherer | None) -> bool:
-    """Whether a cache reading a shared prefix copies it in before a decode step: a sparse decoder reads
-    whole buffers; a prefix no other sequence reads is faster as one piece; so is a short one."""
+    """Whether a cache reading a shared prefix copies it in before a decode step (False without one): a
+    sparse decoder reads whole buffers; a prefix no other sequence reads is faster as one piece; so is a
+    short one."""
     prefix = cache.prefix
-    assert prefix is not None
+    if prefix is None:
+        return False
     if gatherer is not None or not prefix.held_by_others(cache):
         return True
     return cache.base <= SHORT_PREFIX_SHARE * cache.own_length

@@ -61,6 +61,7 @@ class SelectiveRecompute:
         check_schedule(self.schedule)
         self.num_reusable = int(self.rows.reusable.sum())
         self.candidates_left: int | None = None  # reusable rows still active after the last scheduled layer
+        self.first_scheduled = min(self.schedule, default=None)  # where a forward starts ranking afresh
 
     @property
     def forced(self) -> Tensor:
@@ -87,9 +88,8 @@ class SelectiveRecompute:
         gathers it for no other layer."""
         if layer not in self.schedule:
             return False
-        left = self.candidates_left
-        first = layer == min(self.schedule)  # a new forward: ``candidates_left`` is not its own yet
-        return first or left is None or self._budget(layer) < left
+        left = self.candidates_left  # at the first scheduled layer, a previous forward's count (if any)
+        return layer == self.first_scheduled or left is None or self._budget(layer) < left
 
     def _budget(self, layer: int) -> int:
         return math.ceil(self.schedule[layer] * self.num_reusable)

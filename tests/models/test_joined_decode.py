@@ -21,26 +21,14 @@ import pytest
 import torch
 
 import semkv.models.runtime as runtime_module
-from semkv.models import Runtime, adapter_for
+from semkv.models import Runtime
 from semkv.models.cache import KVCache, SharedPrefix
 from semkv.models.kernels import decode_products
 from semkv.models.runtime import JoinedRows
-from tests.conftest import tiny_hf_model
+from tests.models.test_shared_prefix import KVH, LAYERS, D, _prefix_of, _random_prefix, _runtime
 from tests.tolerances import attention_atol, config_atol
 
-KVH, D, LAYERS, NH = 2, 8, 2, 4
-
-
-def _prefix(rows: int, seed: int, dtype: torch.dtype) -> SharedPrefix:
-    """Random rows, each layer's a range of a longer buffer (strided across heads, as pool pages are)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def bufs() -> list[torch.Tensor]:
-        return [
-            torch.randn(KVH, rows + 11, D, generator=gen).to(dtype)[:, 3 : 3 + rows] for _ in range(LAYERS)
-        ]
-
-    return SharedPrefix.of_rows(bufs(), bufs(), bufs(), token_ids=list(range(rows)))
+NH = 4  # query heads over test_shared_prefix's KVH = 2
 
 
 # (relative slot, prefix name or None, prefix rows read, own rows); slot 1 is not a member
@@ -49,7 +37,11 @@ WIDTH = 7
 
 
 def _joined(dtype: torch.dtype) -> tuple[JoinedRows, dict[str, SharedPrefix]]:
-    prefixes = {"a": _prefix(9, 4, dtype), "b": _prefix(14, 5, dtype)}
+    # prefix rows held as views of longer buffers (strided across heads, as pool pages are)
+    prefixes = {
+        "a": _random_prefix(9, 4, dtype, pool_views=True),
+        "b": _random_prefix(14, 5, dtype, pool_views=True),
+    }
     groups = [
         (
             prefixes[name],
@@ -136,8 +128,7 @@ def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(
     """Four caches read a 30-token prefix (one only its first 20 rows) and decode together; the joined
     form is forbidden (factor 0) or always allowed (100), and counted. Gemma 3's sliding-window layers
     attend per sequence where the window does not cover a sequence's keys (its global layers join)."""
-    model = tiny_hf_model(family, len(tokenizer), initializer_range=0.1)
-    runtime = Runtime(adapter_for(model.config.model_type)(model), torch.bfloat16, torch.bfloat16)
+    runtime = _runtime(family, len(tokenizer), torch.bfloat16)
     monkeypatch.setattr(runtime_module, "JOINED_COLUMNS_FACTOR", joined_factor)
     calls = []
     real = runtime_module.joined_decode_attention
@@ -145,10 +136,7 @@ def test_batched_decode_over_one_prefix_joined_or_in_two_pieces(
     gen = torch.Generator().manual_seed(7)
     vocab = len(tokenizer)
     head = torch.randint(3, vocab, (30,), generator=gen).tolist()
-    cache = runtime.new_cache(len(head))
-    runtime.prefill(cache, head)
-    bufs = [[b[:, : len(head)].clone() for b in bufs] for bufs in (cache.k_pre, cache.k_rot, cache.v)]
-    prefix = SharedPrefix.of_rows(*bufs, token_ids=head)
+    prefix = _prefix_of(runtime, head)
     shared, copies, tokens = [], [], []
     for n, tail_length in enumerate((3, 6, 4, 5)):
         reads = 20 if n == 1 else len(head)

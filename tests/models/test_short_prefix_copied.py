@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from semkv.models import Runtime, adapter_for
-from semkv.models.cache import SharedPrefix
+from semkv.models import Runtime
 from semkv.models.runtime import SHORT_PREFIX_SHARE
-from tests.conftest import tiny_hf_model
 from tests.models.test_joined_decode import decode_beside_copies
+from tests.models.test_shared_prefix import _prefix_of, _runtime
 
 STEPS = 4
 
@@ -26,10 +25,7 @@ STEPS = 4
 def _readers(runtime: Runtime, vocab: int, prefix_rows: int, tails: tuple[int, ...]):
     gen = torch.Generator().manual_seed(5)
     head = torch.randint(3, vocab, (prefix_rows,), generator=gen).tolist()
-    cache = runtime.new_cache(prefix_rows)
-    runtime.prefill(cache, head)
-    bufs = [[b[:, :prefix_rows].clone() for b in bufs] for bufs in (cache.k_pre, cache.k_rot, cache.v)]
-    prefix = SharedPrefix.of_rows(*bufs, token_ids=head)
+    prefix = _prefix_of(runtime, head)
     readers, copies, tokens = [], [], []
     for length in tails:
         tail = torch.randint(3, vocab, (length,), generator=gen).tolist()
@@ -45,8 +41,7 @@ def _readers(runtime: Runtime, vocab: int, prefix_rows: int, tails: tuple[int, .
 
 @pytest.mark.parametrize("prefix_rows, copied", [(8, True), (40, False)])
 def test_a_short_prefix_is_copied_in_a_long_one_stays_shared(tokenizer, prefix_rows, copied):
-    model = tiny_hf_model("llama", len(tokenizer), initializer_range=0.1)
-    runtime = Runtime(adapter_for(model.config.model_type)(model), torch.bfloat16, torch.bfloat16)
+    runtime = _runtime("llama", len(tokenizer), torch.bfloat16)
     tails = (36, 40, 45, 38)
     assert (prefix_rows <= SHORT_PREFIX_SHARE * min(tails)) == copied
     prefix, readers, copies, tokens = _readers(runtime, len(tokenizer), prefix_rows, tails)
