@@ -64,18 +64,17 @@ def apply_rope_rolled(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def apply_rope_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, scratch: Tensor) -> Tensor:
-    """``apply_rope(x.float(), cos, sin)`` written into ``out`` (float32, x's shape), with ``scratch`` (the same)
-    for ``rotate_half(x) * sin``; ``x`` [heads, T, d] in any float dtype (e.g. a KV-dtype view of a cache's
-    rows) is read as it is. The same bits as :func:`apply_rope`: each product converts ``x`` to float32
-    exactly first, and negating a product gives the product of the negation. For callers rotating many
-    rows per layer into buffers they reuse (one pass over ``x`` fewer than converting it first).
-    Returns ``out``."""
+def apply_rope_into(x: Tensor, cos: Tensor, sin_signed: Tensor, out: Tensor, scratch: Tensor) -> Tensor:
+    """``apply_rope(x, cos, sin)`` of float32 ``x`` [heads, T, d] written into ``out`` (float32, x's shape), with
+    ``scratch`` (the same) for ``rotate_half(x) * sin``; ``sin_signed`` is ``sin`` with its first half
+    negated (:func:`rope_sin_signed`). The same bits as :func:`apply_rope`: negating a factor negates the
+    product exactly, so no pass negates. For callers rotating many rows per layer into buffers they reuse
+    (a key of another dtype is converted into a float32 buffer first: one conversion instead of one inside
+    every product). Returns ``out``."""
     half = x.shape[-1] // 2
     torch.mul(x, cos, out=out)
-    torch.mul(x[..., half:], sin[..., :half], out=scratch[..., :half])
-    scratch[..., :half].neg_()
-    torch.mul(x[..., :half], sin[..., half:], out=scratch[..., half:])
+    torch.mul(x[..., half:], sin_signed[..., :half], out=scratch[..., :half])
+    torch.mul(x[..., :half], sin_signed[..., half:], out=scratch[..., half:])
     return out.add_(scratch)
 
 

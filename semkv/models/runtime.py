@@ -49,6 +49,7 @@ from semkv.models.kernels import (
 from semkv.models.linear import prepacks
 from semkv.models.page_pool import PageLayout, PagePool
 from semkv.models.precision import cast_model
+from semkv.models.staging import LoadStaging, RowSource
 
 Attention = Callable[..., Tensor]  # :func:`~semkv.models.kernels.attention`'s signature
 
@@ -355,46 +356,6 @@ class SharedStep:
         return window is None or self.span < window
 
 
-@dataclass(frozen=True)
-class RowSource:
-    """One piece of rows for :meth:`Runtime.load_pieces`: pre-RoPE keys and values [L, kvh, m, d] (any
-    device and float dtype), or neither: ``rows`` rows a forward fills (:meth:`empty`).
-
-    order: None (the piece's rows are k / v's m rows as they are) or int64 [n] on the host, the row of
-    k / v each of the piece's n rows takes (-1: a zero row), gathered layer by layer straight into the
-    cache (:meth:`gathered`): no rearranged copy of every layer first."""
-
-    k: Tensor | None
-    v: Tensor | None
-    count: int = -1
-    order: Tensor | None = None
-
-    @property
-    def rows(self) -> int:
-        if self.order is not None:
-            return int(self.order.numel())
-        return self.count if self.k is None else self.k.shape[2]
-
-    @classmethod
-    def empty(cls, rows: int) -> RowSource:
-        return cls(None, None, rows)
-
-    @classmethod
-    def gathered(cls, k: Tensor, v: Tensor, order: Tensor) -> RowSource:
-        """Rows ``order`` [n] (-1: zero) of k, v [L, kvh, m, d]."""
-        if order.dim() != 1 or (order.numel() and int(order.max()) >= k.shape[2]):
-            raise ValueError(f"row order must be 1-D with entries < {k.shape[2]}")
-        return cls(k, v, order=order.to("cpu", torch.long))
-
-    def taken(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-        """(rows of k / v taken [n] on k's device, offsets [z] of the zero rows on ``device`` (the cache's),
-        None if none); (None, None) for a piece without an order."""
-        if self.order is None or self.k is None:
-            return None, None
-        gaps = (self.order < 0).nonzero().squeeze(1)
-        return self.order.clamp_min(0).to(self.k.device), (gaps.to(device) if gaps.numel() else None)
-
-
 class Runtime:
     """Prefill and decode over one model through its family adapter (batch of one sequence).
 
@@ -428,6 +389,7 @@ class Runtime:
         self.sync_free_decode = self.device.type != "cpu"
         self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live caches made here
         self.page_pool: PagePool | None = None  # the hot tier of exact prefix KV (attach_page_pool)
+        self.load_staging = LoadStaging(kv_dtype, self.device)  # reused KV's way into a cache (load_pieces)
 
     def attach_page_pool(self, block_size: int, budget_bytes: int) -> PagePool | None:
         """Keep exact prefix blocks of ``block_size`` tokens in a page pool of at most ``budget_bytes``
@@ -556,9 +518,13 @@ class Runtime:
 
         The rows get what a prefill writes for the same pre-RoPE keys: keys rounded to the KV dtype and
         rotated from there in float32, rounded to the compute dtype; values rounded through the KV dtype.
-        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation. Each layer's pieces are
-        copied straight into the cache's rows and rotated there (:func:`apply_rope_into`) with float32
-        buffers allocated once per call, and one rotary table for all rows. Returns the first row.
+        Re-applying RoPE to stored pre-RoPE keys is exact, not an approximation.
+
+        The pieces move in bulk: for a group of layers at a time (:class:`LoadStaging`), each piece is
+        copied once for all of them into a staging buffer [g, kvh, n, d] in the KV dtype (a blend's 60 pieces
+        cost 60 copies per group, not 60 per layer), then each layer's rows are copied into the cache and
+        rotated from a float32 copy (:func:`apply_rope_into`) with float32 buffers allocated once per call and
+        one rotary table for all rows. Returns the first row.
         """
         count = len(token_ids)
         if sum(piece.rows for piece in pieces) != count or positions.shape[0] != count:
@@ -567,31 +533,18 @@ class Runtime:
         start = cache.append_rows(positions, token_ids)
         rows = slice(start, start + count)
         shape = (cache.num_kv_heads, count, cache.head_dim)
-        k32 = torch.empty(shape, dtype=torch.float32, device=self.device)
-        turned = torch.empty(shape, dtype=torch.float32, device=self.device)
+        k32, rotated, turned = (torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(3))
         tables = self.rope_tables(positions)
         orders = [piece.taken(self.device) for piece in pieces]
-        for layer in range(self.num_layers):
-            k_pre, k_rot, v = cache.row_buffers(layer, rows)
-            at = 0
-            for index, piece in enumerate(pieces):
-                span = slice(at, at + piece.rows)
-                at = span.stop
-                if piece.k is None or piece.v is None:
-                    k_pre[:, span].zero_()
-                    turned[:, span].zero_()
-                else:
-                    take, gaps = orders[index]
-                    k_layer, v_layer = piece.k[layer], piece.v[layer]
-                    if take is not None:  # gathered straight into the cache's rows
-                        k_layer, v_layer = k_layer.index_select(1, take), v_layer.index_select(1, take)
-                    k_pre[:, span].copy_(k_layer)
-                    turned[:, span].copy_(v_layer.to(self.device, self.kv_dtype))
-                    if gaps is not None:
-                        k_pre[:, span].index_fill_(1, gaps, 0)
-                        turned[:, span].index_fill_(1, gaps, 0)
-            v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
-            k_rot.copy_(apply_rope_into(k_pre, *tables(layer), k32, turned))
+        for layers in self.load_staging.layer_groups(self.num_layers, shape):
+            staged_k, staged_v = self.load_staging.stage(pieces, orders, layers, shape)
+            for index, layer in enumerate(range(layers.start, layers.stop)):
+                k_pre, k_rot, v = cache.row_buffers(layer, rows)
+                k_pre.copy_(staged_k[index])
+                turned.copy_(staged_v[index])
+                v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
+                k32.copy_(staged_k[index])
+                k_rot.copy_(apply_rope_into(k32, *tables.rolled(layer), rotated, turned))
         return start
 
     def write_fresh(

@@ -61,7 +61,8 @@ import torch
 from tqdm.auto import tqdm
 
 from semkv.models.cache import KVCache
-from semkv.models.runtime import RowSource, attention
+from semkv.models.runtime import attention
+from semkv.models.staging import RowSource
 from semkv.prompt import PromptLayout, Segment, build_layout, separator_ids, tokenize_text
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.options import BlendConfig, ReuseOptions, SinkMode

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
 from semkv.models.page_pool import PageInfo, PageLease, PagePool
+from semkv.models.staging import RowSource
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import (
     BlockSummaries,
@@ -199,10 +199,16 @@ def load_prefix(
     blocks carry (see :func:`stored_summaries`)."""
     if num_tokens <= 0:
         return []
-    k = torch.cat([b.k for b in blocks], dim=2)[:, :, :num_tokens]
-    v = torch.cat([b.v for b in blocks], dim=2)[:, :, :num_tokens]
+    pieces: list[RowSource] = []
+    left = num_tokens
+    for block in blocks:  # each block a piece: the loader stages them in bulk (no joined copy of them all)
+        take = min(left, block.k.shape[2])
+        if take <= 0:
+            break
+        pieces.append(RowSource(block.k[:, :, :take], block.v[:, :, :take]))
+        left -= take
     token_ids = [t for b in blocks for t in b.token_ids][:num_tokens]
-    ctx.runtime.load_rows(cache, k, v, ctx.runtime.positions(first_position, num_tokens), token_ids)
+    ctx.runtime.load_pieces(cache, pieces, ctx.runtime.positions(first_position, num_tokens), token_ids)
     return stored_summaries(blocks, num_tokens, ctx.block_size)
 
 

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from semkv.models.cache import KVCache
-from semkv.models.runtime import RowSource
+from semkv.models.staging import RowSource
 from semkv.prompt import PromptLayout
 from semkv.reuse.base import Plan, PrefillContext, PrefillOutcome, Refusal
 from semkv.reuse.lsh import (

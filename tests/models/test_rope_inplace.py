@@ -1,5 +1,6 @@
-"""``apply_rope_into`` (into reused float32 buffers, reading keys of any dtype) and ``apply_rope_rolled``
-(the decode step's rotation of queries and keys in one go) against ``apply_rope``.
+"""``apply_rope_into`` (float32 keys converted from any dtype, into reused float32 buffers, with the signed
+sine table) and ``apply_rope_rolled`` (the decode step's rotation of queries and keys in one go) against
+``apply_rope``.
 
 Injected: random keys [heads, T, d] in float32, float16 and bfloat16 (and a strided view of a larger
 buffer), rotated twice into the same buffers; for the rolled form, queries and keys of a decode step
@@ -25,7 +26,8 @@ def test_rope_into_buffers_gives_apply_ropes_bits(dtype: torch.dtype):
         angles = torch.randn(40, 32, generator=gen)
         cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
         want = apply_rope(x.float(), cos, sin)
-        got = apply_rope_into(x, cos, sin, out, scratch)
+        x32 = torch.empty(3, 40, 64).copy_(x)  # the loader's float32 copy of the keys
+        got = apply_rope_into(x32, cos, rope_sin_signed(sin), out, scratch)
         assert got is out
         assert torch.equal(got, want)
 

@@ -17,7 +17,7 @@ import torch
 
 from semkv.engine import Engine
 from semkv.models.cache import KVCache
-from semkv.models.runtime import RowSource
+from semkv.models.staging import RowSource
 from semkv.request import GenerateRequest
 from semkv.reuse.blend import _stored_rows
 from semkv.reuse.selection.base import RowInfo

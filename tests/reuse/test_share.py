@@ -13,7 +13,7 @@ import torch
 from semkv.evaluation.essays import haystack
 from semkv.evaluation.metrics import logit_kl
 from semkv.models.adapters import apply_rope
-from semkv.models.runtime import RowSource
+from semkv.models.staging import RowSource
 from semkv.request import GenerateRequest
 from semkv.reuse.options import ShareConfig
 from semkv.reuse.share import (
