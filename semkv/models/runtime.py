@@ -545,6 +545,7 @@ class Runtime:
                 v.copy_(turned)  # through float32: a direct fp16 -> bf16 copy is slow on CPU (see cast)
                 k32.copy_(staged_k[index])
                 k_rot.copy_(apply_rope_into(k32, *tables.rolled(layer), rotated, turned))
+        self.load_staging.release_excess()
         return start
 
     def write_fresh(

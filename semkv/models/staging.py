@@ -113,6 +113,12 @@ class LoadStaging:
                 values[:, :, span].index_fill_(2, gaps, 0)
         return keys, values
 
+    def release_excess(self) -> None:
+        """Drop the buffer if it outgrew the budget (a load with more rows per layer than the budget holds
+        stages one layer at a time, in a buffer that large): a rare long load does not keep its memory."""
+        if self.nbytes > self.budget_bytes:
+            self._buffer = None
+
     def _element_size(self) -> int:
         return torch.empty((), dtype=self.dtype, device="meta").element_size()
 

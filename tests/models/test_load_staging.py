@@ -4,8 +4,9 @@ Injected: pieces of every kind one after another (plain views of stored entries 
 gathered piece with zero rows at its gaps, a piece without KV, one-row pieces such as a blend's separators)
 and staging budgets from below one layer to every layer at once. Must happen: the staged keys and values
 are, layer by layer, each piece's rows in order rounded to the KV dtype, zeros where a piece has none; the
-groups cover every layer once, as many as the budget allows; the buffer is reused from call to call; and a
-cache loaded under any budget holds the same bits in every row as one loaded under the largest.
+groups cover every layer once, as many as the budget allows; the buffer is reused from call to call, and let
+go after a load that outgrew the budget; and a cache loaded under any budget holds the same bits in every row
+as one loaded under the largest.
 """
 
 from __future__ import annotations
@@ -81,9 +82,14 @@ def test_staged_rows_are_each_pieces_rows_in_the_kv_dtype(layers_per_group: int)
     assert staging.nbytes <= max(staging.budget_bytes, per_layer)
 
 
-def test_a_budget_below_one_layer_stages_one_layer_at_a_time():
+def test_a_budget_below_one_layer_stages_one_layer_at_a_time_and_lets_the_buffer_go():
     staging = LoadStaging(torch.float16, torch.device("cpu"), budget_bytes=1)
     assert staging.layer_groups(3, (KVH, 10, D)) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    pieces = [RowSource(torch.ones(3, KVH, 10, D), torch.ones(3, KVH, 10, D))]
+    staging.stage(pieces, [(None, None)], slice(0, 1), (KVH, 10, D))
+    assert staging.nbytes == 2 * KVH * 10 * D * 2  # one layer's keys and values, over the budget
+    staging.release_excess()
+    assert staging.nbytes == 0
     with pytest.raises(ValueError, match="positive"):
         LoadStaging(torch.float16, torch.device("cpu"), budget_bytes=0)
 
