@@ -221,19 +221,19 @@ def test_pinned_blocks_survive_a_flood_during_prefill(tmp_path, tokenizer, monke
     first = engine.generate(prompt, max_new_tokens=1)
     engine.drop_page_pool()  # the hit must come from the store's memory tier, under pressure
     memory = engine.store.memory
-    real_load = engine.runtime.load_rows
+    real_load = engine.runtime.load_pieces  # where the store's blocks enter the cache
     seen = {}
 
-    def load_rows_after_flood(cache, k, v, positions, token_ids):
+    def load_pieces_after_flood(cache, pieces, positions, token_ids):
         pinned = [key for key in memory.keys() if memory.pin_count(key)]
         for i in range(200):  # far more than the budget holds
             engine.store.put(small_entry([i, *range(30)], fp=engine.fingerprint))
         memory.check_invariants()
         seen["pinned"] = pinned
         seen["resident"] = all(key in memory for key in pinned)
-        return real_load(cache, k, v, positions, token_ids)
+        return real_load(cache, pieces, positions, token_ids)
 
-    monkeypatch.setattr(engine.runtime, "load_rows", load_rows_after_flood)
+    monkeypatch.setattr(engine.runtime, "load_pieces", load_pieces_after_flood)
     g = engine.generate(prompt, max_new_tokens=1)
     assert g.stats["reused_tokens"] > 0 and seen["pinned"] and seen["resident"]
     assert memory.stats.evictions > 0
