@@ -73,12 +73,12 @@ class LoadStaging:
     @property
     def nbytes(self) -> int:
         """Bytes held now (0 before the first load)."""
-        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+        return 0 if self._buffer is None else self._buffer.nbytes
 
     def layer_groups(self, num_layers: int, shape: tuple[int, int, int]) -> list[slice]:
         """Consecutive groups of ``num_layers`` layers whose keys and values of ``shape`` [kvh, n, d] fit the
         budget together (at least one layer a group)."""
-        per_layer = 2 * math.prod(shape) * self._element_size()
+        per_layer = 2 * math.prod(shape) * self.dtype.itemsize
         size = max(1, min(num_layers, self.budget_bytes // max(per_layer, 1)))
         return [slice(first, min(first + size, num_layers)) for first in range(0, num_layers, size)]
 
@@ -118,9 +118,6 @@ class LoadStaging:
         stages one layer at a time, in a buffer that large): a rare long load does not keep its memory."""
         if self.nbytes > self.budget_bytes:
             self._buffer = None
-
-    def _element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype, device="meta").element_size()
 
     def _views(self, count: int, shape: tuple[int, int, int]) -> tuple[Tensor, Tensor]:
         need = 2 * count * math.prod(shape)
