@@ -17,7 +17,10 @@ Workloads (``--dataset``), both chat-templated as users send RAG prompts:
   ``--target-tokens``; no system turn (the chat template's own), and an extractive instruction after the
   documents asking for the exact words of the passage. Scored with SQuAD's EM / F1 (the best over the
   annotators' answers) of the extracted answer, and ``correct``: an annotator's answer, normalised, occurs
-  in the normalised extracted answer.
+  in the normalised extracted answer. ``--squad-layout`` (one workload per layout, the same questions and
+  paragraphs): ``article`` (the above: one chunk per paragraph), ``shuffled`` (the same chunks in a seeded
+  order), ``joined`` (the article's paragraphs one chunk, joined by the chunk separator as the prompt joins
+  chunks, so full prefill reads the same text; the other articles' paragraphs one chunk each).
 * ``essays``: Paul Graham essay chunks of ``--chunk-tokens`` tokens, each holding one inserted fact
   (a made-up person's code word, city or pet), ``--chunks`` of them per question (one variant per
   count), one worked example turn; scored by exact match (the answer occurs) and best-window F1.
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -165,10 +169,36 @@ def squad_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": SQUAD_INSTRUCTION.format(question=question)}]
 
 
-def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> tuple[list[str], int]:
+SQUAD_LAYOUTS = ("article", "shuffled", "joined")
+
+
+@dataclass(frozen=True)
+class SquadChunks:
+    """A SQuAD case's chunks in layout order: ``gold`` the index of the chunk holding the question's
+    paragraph, ``own`` how many leading chunks (``article`` layout) are its article's paragraphs."""
+
+    chunks: list[str]
+    gold: int
+    own: int
+
+    def laid_out(self, layout: str, seed: str) -> SquadChunks:
+        """These chunks in ``layout`` (see the module docstring); ``seed`` seeds the ``shuffled`` order."""
+        if layout == "article":
+            return self
+        if layout == "shuffled":
+            order = list(range(len(self.chunks)))
+            random.Random(seed).shuffle(order)
+            return SquadChunks([self.chunks[i] for i in order], order.index(self.gold), 0)
+        if layout == "joined":
+            joined = CHUNK_SEPARATOR.join(self.chunks[: self.own])
+            return SquadChunks([joined, *self.chunks[self.own :]], 0, 1)
+        raise ValueError(f"unknown squad layout {layout!r}: one of {', '.join(SQUAD_LAYOUTS)}")
+
+
+def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> SquadChunks:
     """The item's paragraph and its article's paragraphs nearest to it (one before, one after, in turn)
     while their ``cost`` fits ``budget``, in the article's order; then other articles' paragraphs (in the
-    corpus order) after them while they fit. Returns (chunks, index of the item's paragraph)."""
+    corpus order) after them while they fit (the ``article`` layout)."""
     article = list(squad_articles()[item.article])
     at = article.index(item.context)
     lo, hi, used = at, at + 1, cost(item.context)
@@ -181,6 +211,7 @@ def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> tu
             elif side == "after" and hi < len(article) and used + cost(article[hi]) <= budget:
                 hi, used, grew = hi + 1, used + cost(article[hi]), True
     chunks = article[lo:hi]
+    own = len(chunks)
     for title, paragraphs in squad_articles().items():
         if title == item.article:
             continue
@@ -190,12 +221,31 @@ def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> tu
                 used += cost(paragraph)
         if used >= budget * 0.98:
             break
-    return chunks, at - lo
+    return SquadChunks(chunks, at - lo, own)
 
 
-def squad_workload(tokenizer, split: str, questions: int, skip: int, target_tokens: int) -> Workload:
+def squad_layouts(text: str) -> list[str]:
+    """``--squad-layout``'s comma-separated layouts, checked (a bad name fails before a model loads)."""
+    layouts = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in layouts if x not in SQUAD_LAYOUTS]
+    if not layouts or bad:
+        raise ValueError(f"--squad-layout takes {', '.join(SQUAD_LAYOUTS)} (comma-separated), got {text!r}")
+    return layouts
+
+
+def squad_workload(
+    tokenizer,
+    split: str,
+    questions: int,
+    skip: int,
+    target_tokens: int,
+    layout: str = "article",
+    seed: int = 0,
+) -> Workload:
     """``questions`` SQuAD cases from position ``skip`` of the seeded ``split`` (see the module docstring),
-    each padded to about ``target_tokens`` as the tokenizer lays it out."""
+    each padded to about ``target_tokens`` as the tokenizer lays it out, its chunks in ``layout``."""
+    if layout not in SQUAD_LAYOUTS:
+        raise ValueError(f"unknown squad layout {layout!r}: one of {', '.join(SQUAD_LAYOUTS)}")
     items = squad_split(split)[skip : skip + questions]  # type: ignore[arg-type]
     separator = len(tokenizer(CHUNK_SEPARATOR, add_special_tokens=False)["input_ids"])
     counts: dict[str, int] = {}
@@ -209,11 +259,19 @@ def squad_workload(tokenizer, split: str, questions: int, skip: int, target_toke
     for item in items:
         messages = squad_messages(item.question)
         budget = target_tokens - len(build_layout(tokenizer, messages=messages))
-        chunks, gold = squad_chunks(item, budget, cost)
+        laid = squad_chunks(item, budget, cost).laid_out(layout, f"{seed}:{item.id}")
         answer = SQUAD_ANSWERS_SEPARATOR.join(item.answers)
-        cases.append(BenchCase(item.id, chunks, messages, answer, (gold,)))
-    config = {"split": split, "split_seed": SPLIT_SEED, "skip": skip, "target_tokens": target_tokens}
-    return Workload("squad", cases, score_squad, extract_answer, config)
+        cases.append(BenchCase(item.id, laid.chunks, messages, answer, (laid.gold,)))
+    config = {
+        "split": split,
+        "split_seed": SPLIT_SEED,
+        "skip": skip,
+        "target_tokens": target_tokens,
+        "layout": layout,
+        "seed": seed,
+    }
+    name = "squad" if layout == "article" else f"squad {layout}"
+    return Workload(name, cases, score_squad, extract_answer, config)
 
 
 def essay_workloads(tokenizer, args: argparse.Namespace) -> list[Workload]:
@@ -646,6 +704,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-tokens", type=int, default=4096, help="hotpotqa / squad: pad each prompt to this"
     )
+    parser.add_argument(
+        "--squad-layout",
+        default="article",
+        help=f"squad: chunk layouts, comma-separated, one workload each ({', '.join(SQUAD_LAYOUTS)})",
+    )
     parser.add_argument("--chunks", default="8,4", help="essays: chunks per question, one workload each")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="essays: tokens per chunk")
     parser.add_argument(
@@ -721,6 +784,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or 1)
     if args.questions < 1:
         raise ValueError("--questions must be >= 1")
+    squad_layouts(args.squad_layout)  # a bad layout fails before the model loads
     # memory-only store: the bench measures compute, and full prompts' KV would fill the disk
     engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
     if args.dataset == "hotpotqa":
@@ -731,7 +795,10 @@ def run(args: argparse.Namespace) -> int:
         ]
     elif args.dataset == "squad":
         workloads = [
-            squad_workload(engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens)
+            squad_workload(
+                engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens, layout, args.seed
+            )
+            for layout in squad_layouts(args.squad_layout)
         ]
     else:
         workloads = essay_workloads(engine.tokenizer, args)

@@ -20,6 +20,12 @@ Chunk precompute
     entry's metadata and checked on every hit: a chunk made with another sink is a miss
     (and is replaced when recomputed).
 
+    What a chunk should be. A chunk is computed without the text before it, so it should be a text that
+    stands alone: a document, or a retrieved passage. A document cut into consecutive chunks (one per
+    paragraph) loses, in every piece, what it read of the pieces before it (a name a later "it" refers
+    to), and recomputing a share of the rows does not give that back: cache such a document as one chunk
+    (``docs/benchmarks.md``, "Is it the chunking?").
+
 Prefill (the blend)
     1. the longest exact prefix hit (``reuse/prefix.py``) is loaded as exact prefix reuse,
        never blended (it usually covers the template, sometimes the first chunk(s));
