@@ -172,6 +172,12 @@ def squad_messages(question: str) -> list[dict[str, str]]:
 SQUAD_LAYOUTS = ("article", "shuffled", "joined")
 
 
+def check_squad_layout(layout: str) -> None:
+    """ValueError unless ``layout`` is one of :data:`SQUAD_LAYOUTS`."""
+    if layout not in SQUAD_LAYOUTS:
+        raise ValueError(f"unknown squad layout {layout!r}: one of {', '.join(SQUAD_LAYOUTS)}")
+
+
 @dataclass(frozen=True)
 class SquadChunks:
     """A SQuAD case's chunks in layout order: ``gold`` the index of the chunk holding the question's
@@ -183,16 +189,15 @@ class SquadChunks:
 
     def laid_out(self, layout: str, seed: str) -> SquadChunks:
         """These chunks in ``layout`` (see the module docstring); ``seed`` seeds the ``shuffled`` order."""
+        check_squad_layout(layout)
         if layout == "article":
             return self
         if layout == "shuffled":
             order = list(range(len(self.chunks)))
             random.Random(seed).shuffle(order)
             return SquadChunks([self.chunks[i] for i in order], order.index(self.gold), 0)
-        if layout == "joined":
-            joined = CHUNK_SEPARATOR.join(self.chunks[: self.own])
-            return SquadChunks([joined, *self.chunks[self.own :]], 0, 1)
-        raise ValueError(f"unknown squad layout {layout!r}: one of {', '.join(SQUAD_LAYOUTS)}")
+        joined = CHUNK_SEPARATOR.join(self.chunks[: self.own])  # "joined"
+        return SquadChunks([joined, *self.chunks[self.own :]], 0, 1)
 
 
 def squad_chunks(item: SquadItem, budget: int, cost: Callable[[str], int]) -> SquadChunks:
@@ -244,8 +249,7 @@ def squad_workload(
 ) -> Workload:
     """``questions`` SQuAD cases from position ``skip`` of the seeded ``split`` (see the module docstring),
     each padded to about ``target_tokens`` as the tokenizer lays it out, its chunks in ``layout``."""
-    if layout not in SQUAD_LAYOUTS:
-        raise ValueError(f"unknown squad layout {layout!r}: one of {', '.join(SQUAD_LAYOUTS)}")
+    check_squad_layout(layout)
     items = squad_split(split)[skip : skip + questions]  # type: ignore[arg-type]
     separator = len(tokenizer(CHUNK_SEPARATOR, add_special_tokens=False)["input_ids"])
     counts: dict[str, int] = {}
@@ -784,7 +788,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or 1)
     if args.questions < 1:
         raise ValueError("--questions must be >= 1")
-    squad_layouts(args.squad_layout)  # a bad layout fails before the model loads
+    layouts = squad_layouts(args.squad_layout)  # a bad layout fails before the model loads
     # memory-only store: the bench measures compute, and full prompts' KV would fill the disk
     engine = Engine.from_args(args, threads=args.threads or 1, store=StoreConfig(disk=False))
     if args.dataset == "hotpotqa":
@@ -798,7 +802,7 @@ def run(args: argparse.Namespace) -> int:
             squad_workload(
                 engine.tokenizer, args.split, args.questions, args.skip, args.target_tokens, layout, args.seed
             )
-            for layout in squad_layouts(args.squad_layout)
+            for layout in layouts
         ]
     else:
         workloads = essay_workloads(engine.tokenizer, args)
